@@ -1,0 +1,113 @@
+"""Causal (sliding-window) attention with RoPE and grouped KV heads.
+
+A query at position i sees the keys at positions j with ``i - window < j <= i`` (``window`` counts the
+query itself; flash-attn ``window_size=(window - 1, 0)``); ``window=None`` is full causal attention.
+RoPE: rotate-half (NeoX) style over the whole head dimension, base 10000, fp32 tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from gdn2.config import Config
+from gdn2.layers.init import Linear
+from gdn2.ops import sliding_window_attention
+from gdn2.ops.reference import sliding_window_attention_reference
+
+
+def rope_tables(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [T, head_size] in fp32 for integer ``positions`` [T]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B,T,H,D]; cos, sin: [T,D]. Rotate-half RoPE computed in fp32, returned in x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class AttentionCache:
+    """Ring buffer of the last ``capacity`` keys and values (RoPE applied) and their positions.
+
+    With a sliding window the capacity is the window, so memory stays bounded for any generation
+    length; with full attention it is the longest sequence the cache was made for.
+    """
+
+    k: torch.Tensor  # [B, capacity, Hkv, D]
+    v: torch.Tensor
+    positions: torch.Tensor  # [capacity] int64, -1 marks an empty slot
+    full_attention: bool
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store new keys/values at slots ``position % capacity`` (only the last ``capacity`` fit)."""
+        if self.full_attention and int(positions[-1]) >= self.capacity:
+            raise ValueError(f"full-attention cache holds {self.capacity} positions; position "
+                             f"{int(positions[-1])} does not fit (make the cache with a larger max_length)")
+        keep = min(k.shape[1], self.capacity)
+        k, v, positions = k[:, -keep:], v[:, -keep:], positions[-keep:]
+        slots = positions % self.capacity
+        self.k[:, slots] = k.to(self.k.dtype)
+        self.v[:, slots] = v.to(self.v.dtype)
+        self.positions[slots] = positions
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config, layer_idx: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv = c.n_head, c.n_query_groups
+        self.head_size = c.head_size
+        self.window = c.sliding_window
+        self.rope_base = c.rope_base
+        self.qkv = Linear(c.n_embd, (self.n_head + 2 * self.n_kv) * self.head_size, std=0.02)
+        self.proj = Linear(self.n_head * self.head_size, c.n_embd, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    def init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype,
+                   max_length: int) -> AttentionCache:
+        cap = max_length if self.window is None else min(self.window, max_length)
+        shape = (batch_size, cap, self.n_kv, self.head_size)
+        return AttentionCache(torch.zeros(shape, device=device, dtype=dtype),
+                              torch.zeros(shape, device=device, dtype=dtype),
+                              torch.full((cap,), -1, device=device, dtype=torch.long),
+                              full_attention=self.window is None)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[AttentionCache] = None) -> torch.Tensor:
+        """x: [B,T,d]; positions: [T] absolute positions (RoPE, cache slots)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_head, self.n_kv, self.head_size
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
+        cos, sin = rope_tables(positions, D, self.rope_base)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None or (int(positions[0]) == 0 and bool((cache.positions < 0).all())):
+            # training, or prefill into an empty cache: the fast kernel over the new tokens alone
+            o = sliding_window_attention(q, k, v, self.window, cu_seqlens=cu_seqlens)
+        else:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens cannot be combined with a decoding cache")
+            # decoding / continued prefill: the cached keys, then the new ones, masked by position
+            keys = torch.cat([cache.k.to(k.dtype), k], dim=1)
+            values = torch.cat([cache.v.to(v.dtype), v], dim=1)
+            kpos = torch.cat([cache.positions, positions])
+            o = sliding_window_attention_reference(q, keys, values, self.window, q_positions=positions,
+                                                   k_positions=kpos)
+        if cache is not None:
+            cache.append(k, v, positions)
+        return self.proj(o.reshape(B, T, H * D))

@@ -1,0 +1,167 @@
+"""The Gated DeltaNet-2 token mixer.
+
+x -> q, k, v (full-rank, causal depthwise conv k=4 + SiLU), channel-wise decay g (low-rank, fp32),
+erase gate b (key axis) and write gate w (value axis) -> GDN-2 operator (q, k L2-normalised inside) ->
+per-head RMSNorm gated by silu(low-rank gate) -> output projection. No positional encoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gdn2.config import Config
+from gdn2.layers.init import Linear
+from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2
+
+INNER_GAIN = 2 ** -2.5  # Xavier gain of every linear inside the layer (reference init)
+
+
+@dataclass
+class GDN2Cache:
+    """Decoding state of one GDN-2 layer: the fp32 recurrent state and the short-conv input tails."""
+
+    state: torch.Tensor  # [B, HV, K, V] fp32
+    conv_q: torch.Tensor  # [B, conv_size - 1, key_dim]: the last pre-conv inputs
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor  # [B, conv_size - 1, value_dim]
+
+
+class ShortConv(nn.Conv1d):
+    """Causal depthwise convolution followed by SiLU, aware of document starts and decoding tails."""
+
+    def __init__(self, channels: int, kernel_size: int, device=None, dtype=None) -> None:
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False, device=device,
+                         dtype=dtype)
+
+    def forward(self, x: torch.Tensor, pos_in_doc: Optional[torch.Tensor] = None,
+                tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B,T,C]; pos_in_doc: [T] position of each token inside its document (document masking);
+        tail: [B, kernel_size-1, C] inputs preceding x (decoding). Returns (silu(conv(x)), new tail)."""
+        B, T, C = x.shape
+        ks = self.kernel_size[0]
+        if tail is None:
+            tail = x.new_zeros(B, ks - 1, C)
+        full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, ks-1+T, C]
+        new_tail = full[:, full.shape[1] - (ks - 1):]
+        weight = self.weight.to(x.dtype)  # [C, 1, ks]
+        if pos_in_doc is None:
+            y = F.conv1d(full.transpose(1, 2), weight, groups=C).transpose(1, 2)
+        else:
+            # y_t = sum_j w[ks-1-j] x_{t-j}, dropping terms that reach back before the document start.
+            y = x * weight[:, 0, ks - 1]
+            for j in range(1, ks):
+                shifted = full[:, ks - 1 - j: ks - 1 - j + T]
+                keep = (pos_in_doc >= j).to(x.dtype)[None, :, None]
+                y = y + shifted * keep * weight[:, 0, ks - 1 - j]
+        return F.silu(y), new_tail
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the operator output, times silu(gate); weight shared across heads."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        of = o.float()
+        y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * F.silu(gate.float())).to(o.dtype)
+
+
+class GatedDeltaNet2(nn.Module):
+    def __init__(self, config: Config, layer_idx: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads = c.gdn2_num_heads
+        self.num_v_heads = c.gdn2_num_v_heads
+        self.head_k_dim = c.gdn2_head_dim
+        self.head_v_dim = c.gdn2_head_v_dim
+        self.key_dim = c.gdn2_key_dim
+        self.value_dim = c.gdn2_value_dim
+        self.conv_size = c.gdn2_conv_size
+        self.allow_neg_eigval = c.allow_neg_eigval
+        self.recurrent_max_len = c.gdn2_recurrent_max_len
+        d, r = c.n_embd, c.gdn2_gate_rank
+
+        def lin(i, o, bias=False):
+            return Linear(i, o, bias=bias, init="xavier", gain=INNER_GAIN)
+
+        self.q_proj = lin(d, self.key_dim)
+        self.k_proj = lin(d, self.key_dim)
+        self.v_proj = lin(d, self.value_dim)
+        self.q_conv1d = ShortConv(self.key_dim, self.conv_size)
+        self.k_conv1d = ShortConv(self.key_dim, self.conv_size)
+        self.v_conv1d = ShortConv(self.value_dim, self.conv_size)
+        self.f_proj = nn.Sequential(lin(d, r), lin(r, self.key_dim))  # decay, low rank
+        self.b_proj = lin(d, self.key_dim)  # erase gate (key axis)
+        self.w_proj = lin(d, self.value_dim)  # write gate (value axis)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.key_dim, dtype=torch.float32))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.g_proj = nn.Sequential(lin(d, r), lin(r, self.value_dim, bias=True))  # output gate
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=c.norm_eps)
+        self.o_proj = lin(self.value_dim, d)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A_log = log U(1, 16) per head; dt ~ logU(1e-3, 1e-1) per key channel, dt_bias = softplus^-1(dt)."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            u = torch.rand_like(self.dt_bias)
+            dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> GDN2Cache:
+        z = lambda dim: torch.zeros(batch_size, self.conv_size - 1, dim, device=device, dtype=dtype)  # noqa: E731
+        state = torch.zeros(batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device,
+                            dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        return GDN2Cache(state, z(self.key_dim), z(self.key_dim), z(self.value_dim))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[GDN2Cache] = None) -> torch.Tensor:
+        """x: [B,T,d]. ``cu_seqlens`` (B == 1) restarts the state and the conv at each document start;
+        ``pos_in_doc`` [T] is the matching position inside the document. ``cache`` is updated in place."""
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        tails = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
+        q, tq = self.q_conv1d(self.q_proj(x), pos_in_doc, tails[0])
+        k, tk = self.k_conv1d(self.k_proj(x), pos_in_doc, tails[1])
+        v, tv = self.v_conv1d(self.v_proj(x), pos_in_doc, tails[2])
+        # decay in fp32: g = -exp(A_log) * softplus(f_proj(x) + dt_bias), per key channel, <= 0
+        g = -self.A_log.float().exp().repeat_interleave(K) * F.softplus(self.f_proj(x).float() + self.dt_bias)
+        b = torch.sigmoid(self.b_proj(x))
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        w = torch.sigmoid(self.w_proj(x))
+        q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
+        v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
+
+        if cache is None:
+            o, _ = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        else:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens cannot be combined with a decoding cache")
+            cache.conv_q, cache.conv_k, cache.conv_v = tq, tk, tv
+            if not self.training and T <= self.recurrent_max_len:
+                o, _ = fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=cache.state,
+                                            use_qk_l2norm_in_kernel=True, inplace_final_state=True)
+            else:
+                o, cache.state = chunk_gdn2(q, k, v, g, b, w, initial_state=cache.state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        gate = self.g_proj(x).reshape(B, T, HV, V)
+        o = self.o_norm(o, gate).reshape(B, T, self.value_dim)
+        return self.o_proj(o)

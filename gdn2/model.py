@@ -1,0 +1,166 @@
+"""The GPT: token embedding, pre-norm blocks (GDN-2 or attention mixer + SwiGLU MLP), final norm, head.
+
+lit-gpt naming: ``transformer.wte``, ``transformer.h``, ``transformer.ln_f``, ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gdn2.config import Config
+from gdn2.layers.attention import AttentionCache, CausalSelfAttention
+from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
+from gdn2.layers.init import Embedding, Linear, RMSNorm
+
+__all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "flops_per_token", "positions_in_documents"]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``w3(silu(w1 x) * w2 x)``, no bias."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        d, i = config.n_embd, config.intermediate_size
+        self.w1 = Linear(d, i, std=0.02)
+        self.w2 = Linear(d, i, std=0.02)
+        self.w3 = Linear(i, d, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+
+
+class Block(nn.Module):
+    """``x = x + mixer(norm_1(x)); x = x + mlp(norm_2(x))``."""
+
+    def __init__(self, config: Config, layer_idx: int) -> None:
+        super().__init__()
+        self.kind = "gdn2" if config.is_gdn2_layer(layer_idx) else "attention"
+        self.norm_1 = RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mixer: Union[GatedDeltaNet2, CausalSelfAttention] = (
+            GatedDeltaNet2(config, layer_idx) if self.kind == "gdn2" else CausalSelfAttention(config, layer_idx))
+        self.norm_2 = RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                pos_in_doc: Optional[torch.Tensor] = None,
+                cache: Optional[Union[GDN2Cache, AttentionCache]] = None) -> torch.Tensor:
+        h = self.norm_1(x)
+        if self.kind == "gdn2":
+            h = self.mixer(h, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc, cache=cache)
+        else:
+            h = self.mixer(h, positions, cu_seqlens=cu_seqlens, cache=cache)
+        x = x + h
+        return x + self.mlp(self.norm_2(x))
+
+
+class InferenceCache:
+    """Per-layer decoding state: GDN-2 recurrent state + conv tails, attention ring buffers.
+
+    ``seen`` counts the tokens already processed, i.e. the position of the next token.
+    """
+
+    def __init__(self, model: "GPT", batch_size: int, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None, max_length: Optional[int] = None) -> None:
+        p = next(model.parameters())
+        device = device or p.device
+        dtype = dtype or p.dtype
+        self.max_length = max_length or model.config.block_size
+        self.batch_size = batch_size
+        self.layers: list[Union[GDN2Cache, AttentionCache]] = []
+        for block in model.transformer.h:
+            if block.kind == "gdn2":
+                self.layers.append(block.mixer.init_cache(batch_size, device, dtype))
+            else:
+                self.layers.append(block.mixer.init_cache(batch_size, device, dtype, self.max_length))
+        self.seen = 0
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] position of every token inside its document, from document offsets ``cu_seqlens``."""
+    idx = torch.arange(total, device=cu_seqlens.device)
+    starts = cu_seqlens[:-1].long()
+    doc = torch.searchsorted(starts, idx, right=True) - 1
+    return idx - starts[doc]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=Embedding(config.vocab_size, config.n_embd, std=0.02),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=RMSNorm(config.n_embd, eps=config.norm_eps),
+        ))
+        self.lm_head = Linear(config.n_embd, config.vocab_size, std=0.02)
+
+    def forward(self, idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                cache: Optional[InferenceCache] = None) -> torch.Tensor:
+        """idx: int64 [B,T] -> logits [B,T,vocab_size].
+
+        ``cu_seqlens``: int 1-D document offsets over the flattened B*T tokens (every row start
+        included) for document masking: GDN-2 state, short conv and attention all restart at each
+        document. ``cache``: an :class:`InferenceCache`, updated in place (prefill and decoding).
+        """
+        B, T = idx.shape
+        x = self.transformer.wte(idx)
+        pos_in_doc = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("cu_seqlens cannot be combined with a decoding cache")
+            cu_seqlens = cu_seqlens.to(device=idx.device, dtype=torch.int32)
+            row_starts = torch.arange(0, B * T + 1, T, device=idx.device)
+            if not torch.isin(row_starts, cu_seqlens).all():
+                raise ValueError(f"cu_seqlens must contain every row start (multiples of T={T}) and B*T")
+            x = x.reshape(1, B * T, -1)  # the operators take packed documents as one batch row
+            pos_in_doc = positions_in_documents(cu_seqlens, B * T)
+        start = cache.seen if cache is not None else 0
+        if cache is not None and start + T > cache.max_length and any(
+                isinstance(c, AttentionCache) and c.full_attention for c in cache.layers):
+            raise ValueError(f"sequence of {start + T} tokens exceeds the cache's max_length {cache.max_length}")
+        # with document masking, RoPE positions restart with every document as well
+        positions = pos_in_doc if pos_in_doc is not None else torch.arange(start, start + T, device=idx.device)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, positions, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc,
+                      cache=cache.layers[i] if cache is not None else None)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        if cache is not None:
+            cache.seen += T
+        return logits.reshape(B, T, -1)
+
+    def num_parameters(self, blocks_only: bool = False) -> int:
+        module = self.transformer.h if blocks_only else self
+        return sum(p.numel() for p in module.parameters())
+
+
+def flops_per_token(config: Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward) at sequence length ``seq_len``.
+
+    Dense matmuls (2 FLOPs per weight, embedding lookup excluded), attention scores and values over the
+    average number of keys a query sees, and the chunked GDN-2 operator (chunk size 64).
+    """
+    c = config
+    d = c.n_embd
+    attn_w = d * (c.n_head + 2 * c.n_query_groups) * c.head_size + c.n_head * c.head_size * d
+    K, V, H, HV = c.gdn2_head_dim, c.gdn2_head_v_dim, c.gdn2_num_heads, c.gdn2_num_v_heads
+    r = c.gdn2_gate_rank
+    gdn_w = (d * (2 * H * K + HV * V) + d * r + r * H * K + d * H * K + d * HV * V + d * r + r * HV * V
+             + HV * V * d)
+    mlp_w = 3 * d * c.intermediate_size
+    W = seq_len if c.sliding_window is None else min(c.sliding_window, seq_len)
+    # mean over queries of min(i + 1, W)
+    avg_keys = (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
+    attn_ops = 4 * c.n_head * c.head_size * avg_keys
+    C = 64
+    gdn_ops = HV * (4 * C * K + 2 * C * K + 4 * C * V + 6 * K * V)
+    fwd = 2 * d * c.vocab_size
+    for i in range(c.n_layer):
+        fwd += 2 * mlp_w
+        fwd += (2 * gdn_w + gdn_ops) if c.is_gdn2_layer(i) else (2 * attn_w + attn_ops)
+    return 3.0 * fwd
