@@ -1,0 +1,669 @@
+"""Triton sliding-window flash attention: forward and backward.
+
+Layout ``[B, T, H, D]`` for q, ``[B, T, Hkv, D]`` for k and v (H a multiple of Hkv). Query ``i`` sees
+keys ``j`` with ``i - window < j <= i``; ``window=None`` is full causal attention. ``cu_seqlens``
+(B == 1) packs several sequences into one row, each attended separately.
+
+Forward: online softmax over the key blocks a query block can see, never a T x T matrix. Every loop
+bound is computed per block from the window, so the work grows as T x W. The key range of a query
+block splits into three loops: a masked left edge (window boundary), an unmasked interior, and a
+masked right edge (the causal diagonal). The forward stores the log-sum-exp (fp32, natural log) for
+the backward.
+
+Backward (FA2 style): ``delta = rowsum(o * do)``; one program per key block and KV head walks over
+the query blocks that see it, for every query head of its group, and accumulates dk and dv in
+registers (so grouped heads need no repeated K/V and no atomics for dk/dv). dq either comes from the
+same pass through fp32 atomic adds (five matrix products per block pair) or from a second kernel
+that walks key blocks per query block (seven products, deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+__all__ = [
+    "FwdConfig", "BwdConfig", "sliding_window_attention_triton", "swa_forward", "swa_backward",
+    "key_block_range", "query_block_range", "default_configs",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile shape of the forward kernel: BLOCK_M queries x BLOCK_N keys per step."""
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile shapes of the backward.
+
+    ``block_n`` keys per dk/dv program, stepping over ``block_m`` queries at a time. With
+    ``atomic_dq`` the same pass adds dq into an fp32 buffer; otherwise a second kernel computes dq
+    with ``dq_block_m`` queries per program stepping over ``dq_block_n`` keys.
+    """
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    atomic_dq: bool = True
+    dq_block_m: int = 128
+    dq_block_n: int = 64
+    dq_num_warps: int = 8
+    dq_num_stages: int = 2
+
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, BwdConfig]:
+    """The tile shapes used when none are given: small tiles under the interpreter (fast on CPU),
+    Hopper-sized tiles on CUDA, shrinking as the head dim grows so that accumulators fit registers."""
+    if _interpreted(device):
+        return (FwdConfig(32, 16, 4, 1),
+                BwdConfig(16, 32, 4, 1, True, 32, 16, 4, 1))
+    if head_dim <= 64:
+        return (FwdConfig(128, 64, 4, 3),
+                BwdConfig(64, 128, 8, 2, True, 128, 64, 8, 2))
+    if head_dim <= 128:
+        return (FwdConfig(128, 64, 8, 2),
+                BwdConfig(64, 128, 8, 2, True, 128, 64, 8, 2))
+    return (FwdConfig(64, 64, 8, 2),
+            BwdConfig(64, 64, 8, 1, True, 64, 64, 8, 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loop bounds (the Python twins of the in-kernel arithmetic, for tests and for reasoning)
+# --------------------------------------------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def key_block_range(q_start: int, seq_len: int, window: Optional[int], block_m: int,
+                    block_n: int) -> tuple[int, int, int, int]:
+    """Key loop bounds of the query block starting at ``q_start`` (forward and dq kernels).
+
+    Returns ``(lo, a, b, hi)``: masked key blocks start at ``lo, lo+block_n, ... < a``, unmasked ones
+    at ``a, ... < b``, masked ones again at ``b, ... < hi``. Positions are local to the sequence.
+    """
+    hi = min(q_start + block_m, seq_len)
+    if window is None:
+        lo, full_lo = 0, 0
+    else:
+        lo = max(q_start - window + 1, 0) // block_n * block_n
+        full_lo = _cdiv(max(hi - window, 0), block_n) * block_n
+    full_hi = (q_start + 1) // block_n * block_n
+    a = full_lo
+    b = max(a, full_hi)
+    return lo, a, b, hi
+
+
+def query_block_range(k_start: int, seq_len: int, window: Optional[int], block_m: int,
+                      block_n: int) -> tuple[int, int, int, int]:
+    """Query loop bounds of the key block starting at ``k_start`` (dk/dv kernel).
+
+    Returns ``(lo, a, b, hi)``: masked query blocks at ``lo, lo+block_m, ... < min(a, hi)``, unmasked
+    at ``a, ... < b``, masked at ``b, ... < hi``.
+    """
+    k_end = min(k_start + block_n, seq_len)
+    q_hi = seq_len if window is None else min(seq_len, k_end - 1 + window)
+    a = k_start + _cdiv(max(k_end - 1 - k_start, 0), block_m) * block_m
+    last = seq_len - block_m if window is None else min(seq_len - block_m, k_start + window - block_m)
+    b = a + max(last - a + block_m, 0) // block_m * block_m
+    return k_start, a, b, q_hi
+
+
+def _range_len(start: int, end: int, step: int) -> int:
+    return max(0, _cdiv(end - start, step))
+
+
+def count_key_blocks(q_start, seq_len, window, block_m, block_n) -> int:
+    lo, a, b, hi = key_block_range(q_start, seq_len, window, block_m, block_n)
+    return _range_len(lo, a, block_n) + _range_len(a, b, block_n) + _range_len(b, hi, block_n)
+
+
+def count_query_blocks(k_start, seq_len, window, block_m, block_n) -> int:
+    lo, a, b, hi = query_block_range(k_start, seq_len, window, block_m, block_n)
+    return _range_len(lo, min(a, hi), block_m) + _range_len(a, b, block_m) + _range_len(b, hi, block_m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr):
+    """(first token row of the sequence, its length, local start of this program's block)."""
+    if IS_VARLEN:
+        seq = tl.load(TABLE + 2 * pid)
+        blk = tl.load(TABLE + 2 * pid + 1)
+        valid = seq >= 0
+        seq = tl.maximum(seq, 0)
+        bos = tl.load(CU + seq).to(tl.int32)
+        eos = tl.load(CU + seq + 1).to(tl.int32)
+        # spare programs (the grid is an upper bound on the block count) get an empty sequence
+        seq_len = tl.where(valid, eos - bos, 0)
+        start = blk * BLOCK
+    else:
+        bos = b * T
+        seq_len = T + 0 * pid
+        # heaviest (latest) blocks first: shortens the tail for causal attention
+        start = (NUM_BLOCKS - 1 - pid) * BLOCK
+    return bos, seq_len, start
+
+
+@triton.jit
+def _load_tile(ptrs, rows, seq_len, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    if CHECK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=(rows < seq_len)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows < seq_len)[:, None] & mask_d[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
+                  start, end, seq_len, WINDOW, qk_scale,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        off = cols.to(tl.int64)[:, None] * kv_stride + offs_d[None, :]
+        k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            keep = cols[None, :] <= offs_m[:, None]
+            if HAS_WINDOW:
+                keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+        visits += 1
+    return acc, l_i, m_i, visits
+
+
+@triton.jit
+def _key_bounds(m0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
+    # mirrors key_block_range()
+    hi = tl.minimum(m0 + BLOCK_M, seq_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(m0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        a = (tl.maximum(hi - WINDOW, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0 * m0
+        a = 0 * m0
+    full_hi = (m0 + 1) // BLOCK_N * BLOCK_N
+    b = tl.maximum(a, full_hi)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _swa_fwd_kernel(Q, K, V, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_scale, NUM_BLOCKS,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, RECORD_VISITS: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
+    EVEN_D: tl.constexpr = BLOCK_D == D
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q_stride = H * D
+    kv_stride = HKV * D
+    q_ptrs = Q + (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
+    q = _load_tile(q_ptrs, offs_m, seq_len, mask_d, True, EVEN_D)
+    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
+    v_base = V + bos.to(tl.int64) * kv_stride + hk * D
+
+    lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    # a finite floor keeps fully masked rows of an edge block NaN-free (exp2(-inf - -1e30) = 0)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    visits = 0 * pid
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
+                                          offs_n, offs_d, mask_d, lo, a, seq_len, WINDOW, qk_scale,
+                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
+                                          offs_n, offs_d, mask_d, a, b_int, seq_len, WINDOW, qk_scale,
+                                          BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
+                                          offs_n, offs_d, mask_d, b_int, hi, seq_len, WINDOW, qk_scale,
+                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+    row_ok = offs_m < seq_len
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = O + (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    lse_base = LSE + (b * H + h).to(tl.int64) * T + bos - b * T
+    tl.store(lse_base + offs_m, lse, mask=row_ok)
+    if RECORD_VISITS:
+        tl.store(VISITS + bh * tl.num_programs(0) + pid, visits)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < T)[:, None] & (offs_d < D)[None, :]
+    off = (b * T + rows).to(tl.int64)[:, None] * (H * D) + h * D + offs_d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + (b * H + h).to(tl.int64) * T + rows, tl.sum(o * do, 1), mask=rows < T)
+
+
+@triton.jit
+def _query_bounds(n0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    # mirrors query_block_range()
+    k_end = tl.minimum(n0 + BLOCK_N, seq_len)
+    a = n0 + (tl.maximum(k_end - 1 - n0, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        q_hi = tl.minimum(seq_len, k_end - 1 + WINDOW)
+        last = tl.minimum(seq_len - BLOCK_M, n0 + WINDOW - BLOCK_M)
+    else:
+        q_hi = seq_len
+        last = seq_len - BLOCK_M
+    b = a + tl.maximum(last - a + BLOCK_M, 0) // BLOCK_M * BLOCK_M
+    return a, b, q_hi
+
+
+@triton.jit
+def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base, delta_base, q_stride,
+                     offs_n, offs_m_tile, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale, scale,
+                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
+    # transposed space: rows are keys, columns are queries, so dk and dv come out without transposes
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + offs_m_tile
+        off = rows.to(tl.int64)[:, None] * q_stride + offs_d[None, :]
+        q = _load_tile(q_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+        do = _load_tile(do_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+        if MASKED:
+            lse = tl.load(lse_base + rows, mask=rows < seq_len, other=0.0)
+            delta = tl.load(delta_base + rows, mask=rows < seq_len, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        p_t = tl.math.exp2(qk_t - (lse * 1.4426950408889634)[None, :])
+        if MASKED:
+            keep = (rows[None, :] >= offs_n[:, None]) & (rows < seq_len)[None, :]
+            if HAS_WINDOW:
+                keep = keep & (rows[None, :] - offs_n[:, None] < WINDOW)
+            p_t = tl.where(keep, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale
+            if MASKED:
+                if EVEN_D:
+                    dq_mask = (rows < seq_len)[:, None]
+                else:
+                    dq_mask = (rows < seq_len)[:, None] & mask_d[None, :]
+                tl.atomic_add(dq_base + off, dq, mask=dq_mask, sem="relaxed")
+            else:
+                if EVEN_D:
+                    tl.atomic_add(dq_base + off, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_base + off, dq, mask=mask_d[None, :], sem="relaxed")
+        visits += 1
+    return dk, dv, visits
+
+
+@triton.jit
+def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VISITS, T, H, HKV, WINDOW,
+                         qk_scale, scale, NUM_BLOCKS,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         ATOMIC_DQ: tl.constexpr, RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    group = H // HKV
+    bos, seq_len, n0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_N)
+    EVEN_D: tl.constexpr = BLOCK_D == D
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m_tile = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q_stride = H * D
+    kv_stride = HKV * D
+    kv_off = (bos + offs_n).to(tl.int64)[:, None] * kv_stride + hk * D + offs_d[None, :]
+    k = _load_tile(K + kv_off, offs_n, seq_len, mask_d, True, EVEN_D)
+    v = _load_tile(V + kv_off, offs_n, seq_len, mask_d, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    a, b_int, q_hi = _query_bounds(n0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    diag_end = tl.minimum(a, q_hi)
+    visits = 0 * pid
+    for g in range(group):
+        h = hk * group + g
+        q_base = Q + bos.to(tl.int64) * q_stride + h * D
+        do_base = DO + bos.to(tl.int64) * q_stride + h * D
+        dq_base = DQ_ACC + bos.to(tl.int64) * q_stride + h * D
+        lse_base = LSE + (b * H + h).to(tl.int64) * T + bos - b * T
+        delta_base = DELTA + (b * H + h).to(tl.int64) * T + bos - b * T
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
+                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+                                          n0, diag_end, seq_len, WINDOW, qk_scale, scale,
+                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
+                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+                                          a, b_int, seq_len, WINDOW, qk_scale, scale,
+                                          BLOCK_M, False, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
+                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+                                          b_int, q_hi, seq_len, WINDOW, qk_scale, scale,
+                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+    st_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
+    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=st_mask)
+    if RECORD_VISITS:
+        tl.store(VISITS + bhk * tl.num_programs(0) + pid, visits)
+
+
+@triton.jit
+def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
+                 start, end, seq_len, WINDOW, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        off = cols.to(tl.int64)[:, None] * kv_stride + offs_d[None, :]
+        k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            keep = cols[None, :] <= offs_m[:, None]
+            if HAS_WINDOW:
+                keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW, qk_scale, scale,
+                       NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
+    EVEN_D: tl.constexpr = BLOCK_D == D
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q_stride = H * D
+    kv_stride = HKV * D
+    row_ok = offs_m < seq_len
+    q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
+    q = _load_tile(Q + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
+    do = _load_tile(DO + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
+    stat_base = (b * H + h).to(tl.int64) * T + bos - b * T
+    lse2 = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
+    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
+    v_base = V + bos.to(tl.int64) * kv_stride + hk * D
+
+    lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
+                      lo, a, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
+                      a, b_int, seq_len, WINDOW, qk_scale, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
+                      b_int, hi, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(q, k, v, window, cu_seqlens) -> None:
+    for name, t in dict(q=q, k=k, v=v).items():
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k and v must be [B, T, Hkv, D] matching q {tuple(q.shape)}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    if q.shape[3] > 256:
+        raise ValueError(f"head dim D={q.shape[3]} exceeds the supported maximum 256")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got B={q.shape[0]}")
+
+
+def _block_table(cu_seqlens: torch.Tensor, block: int, T: int) -> torch.Tensor:
+    """[G, 2] int32 rows (sequence, block in sequence) for each program of a varlen launch.
+
+    Built on the device without a host sync: G = cdiv(T, block) + N bounds the true block count,
+    and spare rows carry sequence -1.
+    """
+    cu = cu_seqlens.long()
+    n_seq = cu.numel() - 1
+    n_blocks = (cu[1:] - cu[:-1] + block - 1) // block
+    ends = torch.cumsum(n_blocks, 0)
+    grid = triton.cdiv(T, block) + n_seq
+    g = torch.arange(grid, device=cu.device)
+    seq = torch.searchsorted(ends, g, right=True)
+    valid = seq < n_seq
+    seq_c = seq.clamp(max=n_seq - 1)
+    blk = g - (ends - n_blocks)[seq_c]
+    table = torch.stack([torch.where(valid, seq_c, -1), blk], dim=1)
+    return table.to(torch.int32).contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products (the accuracy tests rely on it); 16-bit inputs ignore this
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_geometry(q, cu_seqlens, block):
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is None:
+        n_blocks = triton.cdiv(T, block)
+        return n_blocks, n_blocks, None, q.new_empty(1, dtype=torch.int32)
+    table = _block_table(cu_seqlens, block, T)
+    return table.shape[0], table.shape[0], table, cu_seqlens
+
+
+def _window_args(window, T):
+    # a window covering the whole row is plain causal attention: no window mask needed
+    has_window = window is not None and window < T
+    return has_window, (int(window) if has_window else 0)
+
+
+def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
+                scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None, *,
+                config: Optional[FwdConfig] = None,
+                visits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pass without autograd.
+
+    q: [B,T,H,D]; k, v: [B,T,Hkv,D], all of one dtype (fp16, bf16 or fp32). Returns ``o`` [B,T,H,D] in
+    q's dtype and ``lse`` fp32 [B,H,T], the natural-log log-sum-exp of each query's scaled scores
+    (with cu_seqlens, B == 1 and T runs over the packed tokens). ``visits`` (int32 [H*B*grid],
+    optional) receives the number of key blocks each program visited.
+    """
+    _check(q, k, v, window, cu_seqlens)
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    cfg = config or default_configs(D, q.device)[0]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if T == 0:
+        return o, lse
+    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_m)
+    has_window, w = _window_args(window, T)
+    if visits is not None and visits.numel() < grid0 * B * H:
+        raise ValueError(f"visits must hold at least {grid0 * B * H} int32 counters")
+    _swa_fwd_kernel[(grid0, B * H)](
+        q, k, v, o, lse, cu, table if table is not None else cu, visits if visits is not None else lse,
+        T, H, HKV, w, float(scale) * LOG2E, n_blocks,
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_WINDOW=has_window, IS_VARLEN=cu_seqlens is not None, RECORD_VISITS=visits is not None,
+        PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
+def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, window: Optional[int], scale: Optional[float] = None,
+                 cu_seqlens: Optional[torch.Tensor] = None, *, config: Optional[BwdConfig] = None,
+                 visits: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq [B,T,H,D], dk, dv [B,T,Hkv,D], in the inputs' dtype) from the forward's o and lse.
+
+    ``visits`` (int32 [B*Hkv*grid], optional) receives the number of query blocks each dk/dv program
+    visited, summed over the query heads of its group.
+    """
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    cfg = config or default_configs(D, q.device)[1]
+    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    do = do.to(q.dtype)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if T == 0:
+        return torch.zeros_like(q), dk, dv
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    BLOCK_T = 64
+    _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
+                                                       BLOCK_D=BLOCK_D, num_warps=4)
+    has_window, w = _window_args(window, T)
+    precision = _precision(q.dtype)
+    is_varlen = cu_seqlens is not None
+    dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32) if cfg.atomic_dq else q.new_empty(1, dtype=torch.float32)
+    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
+    if visits is not None and visits.numel() < grid0 * B * HKV:
+        raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
+    _swa_bwd_dkdv_kernel[(grid0, B * HKV)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, cu, table if table is not None else cu,
+        visits if visits is not None else delta, T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
+        IS_VARLEN=is_varlen, ATOMIC_DQ=cfg.atomic_dq, RECORD_VISITS=visits is not None,
+        PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.atomic_dq:
+        return dq_acc.to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
+    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.dq_block_m)
+    _swa_bwd_dq_kernel[(grid0, B * H)](
+        q, k, v, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
+        float(scale) * LOG2E, float(scale), n_blocks,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
+        IS_VARLEN=is_varlen, PRECISION=precision, num_warps=cfg.dq_num_warps,
+        num_stages=cfg.dq_num_stages)
+    return dq, dk, dv
+
+
+class SlidingWindowAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: saves q, k, v, o and the fp32 lse; the backward recomputes probabilities."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, cu_seqlens, fwd_config, bwd_config):
+        o, lse = swa_forward(q, k, v, window, scale, cu_seqlens, config=fwd_config)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.window, ctx.scale, ctx.bwd_config = window, scale, bwd_config
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = swa_backward(do, q, k, v, o, lse, ctx.window, ctx.scale, cu_seqlens,
+                                  config=ctx.bwd_config)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def sliding_window_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    window: Optional[int], scale: Optional[float] = None,
+                                    cu_seqlens: Optional[torch.Tensor] = None, *,
+                                    fwd_config: Optional[FwdConfig] = None,
+                                    bwd_config: Optional[BwdConfig] = None) -> torch.Tensor:
+    """Causal sliding-window attention, differentiable in q, k and v.
+
+    q: [B,T,H,D]; k, v: [B,T,Hkv,D] (H a multiple of Hkv), fp16 / bf16 / fp32, D <= 256. Query i sees
+    keys j with ``i - window < j <= i`` (``window=None``: full causal). ``cu_seqlens`` (int [N+1],
+    B == 1) keeps packed sequences apart. ``scale`` defaults to D**-0.5. Returns [B,T,H,D] in q's
+    dtype. ``fwd_config`` / ``bwd_config`` override the tile shapes (benchmarks).
+    """
+    _check(q, k, v, window, cu_seqlens)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return SlidingWindowAttentionFunction.apply(q, k, v, window, float(scale), cu_seqlens,
+                                                fwd_config, bwd_config)
