@@ -110,7 +110,7 @@ def key_block_range(q_start: int, seq_len: int, window: Optional[int], block_m: 
     else:
         lo = max(q_start - window + 1, 0) // block_n * block_n
         full_lo = _cdiv(max(hi - window, 0), block_n) * block_n
-    full_hi = (q_start + 1) // block_n * block_n
+    full_hi = min((q_start + 1) // block_n * block_n, hi)
     a = full_lo
     b = max(a, full_hi)
     return lo, a, b, hi
@@ -223,7 +223,8 @@ def _key_bounds(m0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     else:
         lo = 0 * m0
         a = 0 * m0
-    full_hi = (m0 + 1) // BLOCK_N * BLOCK_N
+    # capped by hi so that an empty sequence (spare varlen program) gets empty loops
+    full_hi = tl.minimum((m0 + 1) // BLOCK_N * BLOCK_N, hi)
     b = tl.maximum(a, full_hi)
     return lo, a, b, hi
 
