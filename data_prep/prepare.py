@@ -1,0 +1,778 @@
+"""Tokenise a corpus into packed shards (lit-gpt ``LITPKDS`` format), in parallel and resumably.
+
+    python data_prep/prepare.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
+        --tokenizer tokenizer.model --output data/fineweb-edu-10BT [--workers N] \\
+        [--val-fraction 0.0005] [--shard-tokens 134217728]
+
+Inputs: parquet files (column ``text``, read one record batch at a time) and JSON-lines files
+(``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` or ``.gz``; key ``text``).
+
+Output, in ``--output``: ``train_{i:010d}.bin`` and ``val_{i:010d}.bin`` (format in
+``gdn2/data/shards.py``) and ``manifest.json``. Each document is tokenised without BOS and followed
+by EOS; documents run on across shard ends; every shard is full except the last of each split.
+A document goes to validation when the first 8 bytes of blake2b(its UTF-8 text), read as a
+little-endian integer, fall below ``val_fraction * 2**64``: the split depends on the text alone,
+so duplicates land on the same side and reruns agree.
+
+Determinism and resumption. The inputs are cut into *work units* (a parquet row group, a 64 MiB
+byte range of a plain JSON-lines file, a whole compressed file) in a fixed order. Workers tokenise
+units in parallel into temporary files; the main process appends them to the shards strictly in
+unit order and, after each unit, syncs the files and atomically rewrites a journal
+(``.prepare_journal.json``: units done, shards finished, tokens in the open shard, counters).
+Rerunning the same command after a crash, a kill or ``--time-limit`` truncates the open shard to the
+journal and continues with the next unit: the result is byte-identical to an uninterrupted run,
+whatever ``--workers`` is. A finished output (``manifest.json`` present) makes a rerun a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `import gdn2` / `import data_prep` work from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, pack_header, read_header, token_dtype_for_vocab
+
+PARQUET_SUFFIXES = (".parquet",)
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt",)
+COMPRESSION_SUFFIXES = (".zst", ".zstd", ".gz")
+
+# Size of one work unit of an uncompressed JSON-lines file; parquet units are row groups.
+JSONL_UNIT_BYTES = 64 << 20
+PARQUET_BATCH_ROWS = 1024
+# Documents handed to SentencePiece per call.
+ENCODE_BATCH_DOCS = 256
+
+JOURNAL_NAME = ".prepare_journal.json"
+TMP_DIR_NAME = ".prepare_tmp"
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "val")
+SKIP_REASONS = ("empty", "undecodable", "missing_text", "bad_json")
+MAX_SKIP_EXAMPLES = 5
+FORMAT_VERSION = 1
+EXIT_INCOMPLETE = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: discovery, work units, documents
+
+
+def input_kind(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(``"parquet" | "jsonl" | "text"``, compression or None) from a file name."""
+    name = Path(path).name.lower()
+    compression = None
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            compression, name = suffix.lstrip(".").replace("zstd", "zst"), name[: -len(suffix)]
+            break
+    if name.endswith(PARQUET_SUFFIXES) and compression is None:
+        return "parquet", None
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl", compression
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", compression
+    raise ValueError(
+        f"{path}: unsupported input type (expected .parquet, .jsonl/.json/.ndjson[.zst|.gz] or .txt[.zst|.gz])"
+    )
+
+
+def expand_inputs(patterns: Sequence[str], kinds: Sequence[str] = ("parquet", "jsonl")) -> list[Path]:
+    """Files matching the glob ``patterns``: each pattern's matches sorted, patterns in the given
+    order, duplicates dropped. A pattern matching nothing, or a file of another kind, is an error."""
+    if not patterns:
+        raise ValueError("--input: at least one file or glob pattern is required")
+    seen: dict[Path, None] = {}
+    for pattern in patterns:
+        matches = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [p for p in matches if p.is_file()]
+        if not matches:
+            raise FileNotFoundError(f"--input: no files match {pattern!r}")
+        for path in matches:
+            kind, _ = input_kind(path)
+            if kind not in kinds:
+                raise ValueError(f"{path}: {kind} inputs are not accepted here (expected {', '.join(kinds)})")
+            seen.setdefault(path, None)
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """A piece of one input file that one worker tokenises: a parquet row group (``row_group``,
+    its ``first_row`` and ``rows``), a byte range ``[start, end)`` of an uncompressed file, or a
+    whole compressed file (``end == -1``)."""
+
+    path: str
+    kind: str
+    compression: str | None = None
+    row_group: int = -1
+    first_row: int = 0
+    rows: int = 0
+    start: int = 0
+    end: int = -1
+
+
+def _parquet_text_field(path: Path, text_key: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises several types for a damaged footer
+        raise ValueError(f"{path}: not a readable parquet file ({error})") from error
+    schema = parquet.schema_arrow
+    if text_key not in schema.names:
+        raise ValueError(f"{path}: parquet file has no column {text_key!r} (columns: {', '.join(schema.names)})")
+    field_type = schema.field(text_key).type
+    if not (pa.types.is_string(field_type) or pa.types.is_large_string(field_type)
+            or pa.types.is_binary(field_type) or pa.types.is_large_binary(field_type)):
+        raise ValueError(f"{path}: column {text_key!r} has type {field_type}, expected string or binary")
+    return parquet
+
+
+def plan_units(path: Path, text_key: str = "text") -> list[WorkUnit]:
+    """The work units of one input file, in stream order (checks a parquet file's schema)."""
+    kind, compression = input_kind(path)
+    if kind == "parquet":
+        metadata = _parquet_text_field(path, text_key).metadata
+        units, first = [], 0
+        for rg in range(metadata.num_row_groups):
+            rows = metadata.row_group(rg).num_rows
+            units.append(WorkUnit(str(path), kind, row_group=rg, first_row=first, rows=rows))
+            first += rows
+        return units
+    if compression is not None:
+        return [WorkUnit(str(path), kind, compression)]
+    size = path.stat().st_size
+    return [WorkUnit(str(path), kind, start=s, end=min(s + JSONL_UNIT_BYTES, size))
+            for s in range(0, max(size, 1), JSONL_UNIT_BYTES)]
+
+
+class Skipped(str):
+    """A document that cannot be used; the string is the reason (one of ``SKIP_REASONS``)."""
+
+
+def _open_stream(path: str, compression: str | None):
+    raw = open(path, "rb")
+    if compression == "zst":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    if compression == "gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    return raw
+
+
+def _lines(unit: WorkUnit) -> Iterator[tuple[str, bytes]]:
+    """(location, raw line) of the lines of a unit; a line belongs to the unit its first byte is in."""
+    with _open_stream(unit.path, unit.compression) as f:
+        if unit.end == -1:
+            for number, line in enumerate(f, start=1):
+                yield f"line {number}", line
+            return
+        if unit.start > 0:
+            f.seek(unit.start - 1)
+            f.readline()  # the rest of a line begun in the previous unit (or just its newline)
+        position = f.tell()
+        while position < unit.end:
+            line = f.readline()
+            if not line:
+                break
+            yield f"byte {position}", line
+            position += len(line)
+
+
+def _check_text(value) -> str:
+    if not isinstance(value, str):
+        return Skipped("missing_text")
+    try:
+        value.encode("utf-8")  # lone surrogates from JSON escapes cannot be tokenised
+    except UnicodeEncodeError:
+        return Skipped("undecodable")
+    if not value.strip():
+        return Skipped("empty")
+    return value
+
+
+def _decode(raw: bytes | None):
+    if raw is None:
+        return Skipped("missing_text")
+    try:
+        return _check_text(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return Skipped("undecodable")
+
+
+def read_documents(unit: WorkUnit, text_key: str = "text") -> Iterator[tuple[str, str | Skipped]]:
+    """(location, text or ``Skipped(reason)``) for every document of a unit, in order.
+
+    Parquet is read one record batch of ``PARQUET_BATCH_ROWS`` rows at a time; text files yield one
+    document per non-blank line; JSON-lines blank lines are not documents.
+    """
+    if unit.kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(unit.path)
+        row = unit.first_row
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[unit.row_group],
+                                          columns=[text_key], use_threads=False):
+            column = batch.column(0)
+            values = None
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                try:
+                    values = [_check_text(v) if v is not None else Skipped("missing_text") for v in column.to_pylist()]
+                except UnicodeDecodeError:  # parquet does not validate UTF-8: decode one by one
+                    column = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+            if values is None:
+                values = [_decode(v) for v in column.to_pylist()]
+            for value in values:
+                yield f"row {row}", value
+                row += 1
+        return
+    for location, line in _lines(unit):
+        if not line.strip():
+            continue
+        if unit.kind == "text":
+            yield location, _decode(line.rstrip(b"\r\n"))
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield location, Skipped("undecodable")
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            yield location, Skipped("bad_json")
+            continue
+        if not isinstance(record, dict):
+            yield location, Skipped("bad_json")
+            continue
+        yield location, _check_text(record.get(text_key))
+
+
+def is_validation(text_bytes: bytes, val_fraction: float) -> bool:
+    """The stable train/validation split of one document (see the module docstring)."""
+    digest = hashlib.blake2b(text_bytes, digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2.0**64
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenisation of one unit (runs in worker processes)
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    import sentencepiece as spm
+
+    _worker_tokenizer = spm.SentencePieceProcessor(model_file=tokenizer_path)
+
+
+def _empty_stats() -> dict:
+    return {
+        "documents_read": 0,
+        "documents_kept": {split: 0 for split in SPLITS},
+        "tokens": {split: 0 for split in SPLITS},
+        "documents_skipped": {reason: 0 for reason in SKIP_REASONS},
+        "skipped_examples": {reason: [] for reason in SKIP_REASONS},
+    }
+
+
+def _add_stats(total: dict, part: dict) -> None:
+    total["documents_read"] += part["documents_read"]
+    for key in ("documents_kept", "tokens", "documents_skipped"):
+        for name, value in part[key].items():
+            total[key][name] += value
+    for reason, examples in part["skipped_examples"].items():
+        room = MAX_SKIP_EXAMPLES - len(total["skipped_examples"][reason])
+        total["skipped_examples"][reason].extend(examples[: max(room, 0)])
+
+
+def encode_unit(unit: WorkUnit, tmp_prefix: str, text_key: str, val_fraction: float, dtype: str,
+                eos_id: int) -> dict:
+    """Tokenise one unit into ``{tmp_prefix}.train`` / ``.val`` (raw tokens of ``dtype``, each
+    document + EOS, in document order); returns the unit's counters."""
+    tokenizer = _worker_tokenizer
+    stats = _empty_stats()
+    outputs = {split: open(f"{tmp_prefix}.{split}", "wb") for split in SPLITS}
+    texts: list[str] = []
+    splits: list[str] = []
+
+    def flush() -> None:
+        ids_per_doc = tokenizer.encode(texts, out_type=int, num_threads=1)
+        flat: dict[str, list[int]] = {split: [] for split in SPLITS}
+        for split, ids in zip(splits, ids_per_doc):
+            flat[split].extend(ids)
+            flat[split].append(eos_id)
+            stats["tokens"][split] += len(ids) + 1
+        for split in SPLITS:
+            if flat[split]:
+                np.asarray(flat[split], dtype=dtype).tofile(outputs[split])
+        texts.clear()
+        splits.clear()
+
+    try:
+        for location, text in read_documents(unit, text_key):
+            stats["documents_read"] += 1
+            if isinstance(text, Skipped):
+                stats["documents_skipped"][text] += 1
+                if len(stats["skipped_examples"][text]) < MAX_SKIP_EXAMPLES:
+                    stats["skipped_examples"][text].append(f"{unit.path} {location}")
+                continue
+            split = "val" if is_validation(text.encode("utf-8"), val_fraction) else "train"
+            stats["documents_kept"][split] += 1
+            texts.append(text)
+            splits.append(split)
+            if len(texts) >= ENCODE_BATCH_DOCS:
+                flush()
+        if texts:
+            flush()
+    finally:
+        for f in outputs.values():
+            f.close()
+    return stats
+
+
+def _encode_unit_task(args: tuple) -> dict:
+    return encode_unit(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output: shard writer and journal
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON so that a crash leaves either the old file or the new one, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}_{index:010d}.bin"
+
+
+class ShardWriter:
+    """Appends tokens to ``{prefix}_{i:010d}.bin`` files of exactly ``shard_tokens`` tokens.
+
+    The shard being filled is ``{name}.partial`` (its header count is patched when it is closed),
+    so readers globbing ``*.bin`` never see it. ``shards`` lists the token counts of the closed ones.
+    """
+
+    def __init__(self, directory: Path, prefix: str, dtype: np.dtype, shard_tokens: int,
+                 shards: list[int], partial_tokens: int):
+        self.directory, self.prefix, self.dtype, self.shard_tokens = directory, prefix, np.dtype(dtype), shard_tokens
+        self.shards = list(shards)
+        self.partial_tokens = partial_tokens
+        self._file = None
+        self._recover()
+
+    def _path(self, index: int, partial: bool = False) -> Path:
+        return self.directory / (shard_name(self.prefix, index) + (".partial" if partial else ""))
+
+    def _recover(self) -> None:
+        """Bring the directory back to the journal's state: closed shards 0..n-1 as recorded, the
+        open one truncated to ``partial_tokens`` (it may have been closed after the journal was
+        written), and nothing beyond."""
+        n = len(self.shards)
+        for index, count in enumerate(self.shards):
+            path = self._path(index)
+            if not path.exists() or read_header(path)[1] != count:
+                raise ValueError(f"{path}: missing or changed since the journal recorded it; rerun with --overwrite")
+        for path in list(self.directory.glob(f"{self.prefix}_*.bin")) + list(self.directory.glob(f"{self.prefix}_*.bin.partial")):
+            index = path.name[len(self.prefix) + 1:].split(".")[0]
+            if index.isdigit() and int(index) > n:
+                path.unlink()
+        if self._path(n).exists():
+            os.replace(self._path(n), self._path(n, partial=True))
+        partial = self._path(n, partial=True)
+        expected = HEADER_SIZE + self.partial_tokens * self.dtype.itemsize
+        if self.partial_tokens > 0 and (not partial.exists() or partial.stat().st_size < expected):
+            raise ValueError(f"{partial}: missing or shorter than the journal recorded; rerun with --overwrite")
+        if partial.exists():
+            with open(partial, "r+b") as f:
+                f.truncate(expected)
+
+    def _open(self):
+        if self._file is None:
+            path = self._path(len(self.shards), partial=True)
+            if path.exists():
+                self._file = open(path, "r+b")
+                self._file.seek(0, os.SEEK_END)
+            else:
+                self._file = open(path, "wb")
+                self._file.write(pack_header(self.dtype, 0))
+        return self._file
+
+    def _close_shard(self) -> None:
+        f = self._file
+        f.seek(0)
+        f.write(pack_header(self.dtype, self.partial_tokens))
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._file = None
+        index = len(self.shards)
+        os.replace(self._path(index, partial=True), self._path(index))
+        self.shards.append(self.partial_tokens)
+        self.partial_tokens = 0
+
+    def append(self, tokens: np.ndarray) -> None:
+        offset = 0
+        while offset < len(tokens):
+            take = min(len(tokens) - offset, self.shard_tokens - self.partial_tokens)
+            f = self._open()
+            f.write(np.ascontiguousarray(tokens[offset:offset + take], dtype=self.dtype.newbyteorder("<")).tobytes())
+            self.partial_tokens += take
+            offset += take
+            if self.partial_tokens == self.shard_tokens:
+                self._close_shard()
+
+    def append_file(self, path: Path, chunk_tokens: int = 1 << 24) -> None:
+        """Append the raw tokens of ``path`` (written by ``encode_unit``), a chunk at a time."""
+        total = path.stat().st_size // self.dtype.itemsize
+        for start in range(0, total, chunk_tokens):
+            count = min(chunk_tokens, total - start)
+            self.append(np.fromfile(path, dtype=self.dtype, count=count, offset=start * self.dtype.itemsize))
+
+    def sync(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def finish(self) -> None:
+        """Close the last shard with its true token count (an empty one is not written)."""
+        if self.partial_tokens > 0:
+            self._open()
+            self._close_shard()
+        else:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self._path(len(self.shards), partial=True).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The job
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_tokenizer_info(tokenizer: Path, dtype: str) -> dict:
+    """Vocabulary size, EOS/BOS ids and the token dtype for a SentencePiece model; raises a
+    ValueError naming the file when it has no EOS or its vocabulary does not fit ``dtype``."""
+    import sentencepiece as spm
+
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"--tokenizer: {tokenizer} does not exist")
+    try:
+        processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    except Exception as error:
+        raise ValueError(f"{tokenizer}: not a SentencePiece model ({error})") from error
+    vocab_size = processor.get_piece_size()
+    if processor.eos_id() < 0:
+        raise ValueError(f"{tokenizer}: the tokenizer has no EOS piece, which separates documents")
+    token_dtype = resolve_dtype(dtype, vocab_size, tokenizer)
+    return {"path": str(tokenizer), "sha256": file_sha256(tokenizer), "vocab_size": vocab_size,
+            "bos_id": processor.bos_id(), "eos_id": processor.eos_id(), "dtype": token_dtype.name}
+
+
+def resolve_dtype(dtype: str, vocab_size: int, tokenizer: Path | str = "tokenizer") -> np.dtype:
+    """``auto`` -> uint16 below 65500 pieces else int32 (lit-gpt); an explicit dtype must hold
+    every id ``< vocab_size``, else ValueError naming the tokenizer."""
+    if dtype == "auto":
+        return token_dtype_for_vocab(vocab_size)
+    chosen = np.dtype(dtype)
+    if chosen not in CODE_OF_DTYPE or chosen.kind not in "iu":
+        raise ValueError(f"--dtype: {dtype} is not an integer dtype of the shard format")
+    if vocab_size - 1 > np.iinfo(chosen).max:
+        raise ValueError(
+            f"{tokenizer}: vocabulary of {vocab_size} pieces does not fit {chosen.name} tokens "
+            f"(largest id {np.iinfo(chosen).max}); use --dtype auto or a wider type"
+        )
+    return chosen
+
+
+def _fingerprint(inputs: list[dict], tokenizer: dict, settings: dict) -> str:
+    # Everything that changes the bytes of the output, and nothing else (not --workers).
+    payload = {"inputs": [[i["path"], i["size"], i["mtime_ns"]] for i in inputs],
+               "tokenizer_sha256": tokenizer["sha256"], "settings": settings}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _our_files(output: Path) -> list[Path]:
+    names = [JOURNAL_NAME, MANIFEST_NAME, JOURNAL_NAME + ".tmp", MANIFEST_NAME + ".tmp"]
+    found = [output / n for n in names if (output / n).exists()]
+    for split in SPLITS:
+        found += sorted(output.glob(f"{split}_*.bin")) + sorted(output.glob(f"{split}_*.bin.partial"))
+    return found
+
+
+def _manifest_complete(output: Path, fingerprint: str) -> dict | None:
+    path = output / MANIFEST_NAME
+    if not path.exists():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("fingerprint") != fingerprint:
+        raise ValueError(
+            f"{output}: holds a finished dataset made from other inputs, tokenizer or settings; "
+            "use another --output or --overwrite"
+        )
+    for split in SPLITS:
+        for shard in manifest["shards"][split]:
+            shard_path = output / shard["name"]
+            if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
+                raise ValueError(f"{shard_path}: listed in {path} but missing or changed; rerun with --overwrite")
+    return manifest
+
+
+def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | os.PathLike, workers: int | None = None,
+            val_fraction: float = 0.0005, shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text",
+            time_limit: float | None = None, overwrite: bool = False, progress: bool = True) -> dict | None:
+    """Tokenise ``inputs`` (glob patterns) into packed shards in ``output``.
+
+    Returns the manifest (a dict, also written to ``output/manifest.json``) when the job is
+    complete, or None when ``time_limit`` seconds passed first (progress is kept: call again).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    workers = workers or len(os.sched_getaffinity(0))
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    output = Path(output)
+    tokenizer_path = Path(tokenizer).resolve()
+    tokenizer_info = load_tokenizer_info(tokenizer_path, dtype)
+    token_dtype = np.dtype(tokenizer_info["dtype"])
+    paths = expand_inputs(inputs)
+    units: list[WorkUnit] = []
+    input_info = []
+    for path in paths:
+        file_units = plan_units(path, text_key)
+        stat = path.stat()
+        input_info.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                           "kind": input_kind(path)[0], "units": len(file_units),
+                           "first_unit": len(units)})
+        units += file_units
+    settings = {"format_version": FORMAT_VERSION, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+                "dtype": token_dtype.name, "text_key": text_key, "bos": False, "eos": True,
+                "jsonl_unit_bytes": JSONL_UNIT_BYTES,
+                "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64"}
+    fingerprint = _fingerprint(input_info, tokenizer_info, settings)
+
+    output.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        for path in _our_files(output):
+            path.unlink()
+    done = _manifest_complete(output, fingerprint)
+    if done is not None:
+        (output / JOURNAL_NAME).unlink(missing_ok=True)  # left by a crash right after the manifest was written
+        if progress:
+            print(f"{output}: already complete ({MANIFEST_NAME} matches these inputs and settings)", file=sys.stderr)
+        return done
+
+    journal_path = output / JOURNAL_NAME
+    if journal_path.exists():
+        journal = json.loads(journal_path.read_text())
+        if journal.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{journal_path}: an unfinished job with other inputs, tokenizer or settings (inputs change "
+                "size or mtime?); rerun that job, or use another --output or --overwrite"
+            )
+    else:
+        leftovers = _our_files(output)
+        if leftovers:
+            raise ValueError(f"{output}: holds shards not made by this job ({leftovers[0].name}, ...); "
+                             "use another --output or --overwrite")
+        journal = {"fingerprint": fingerprint, "units_done": 0, "stats": _empty_stats(),
+                   "splits": {split: {"shards": [], "partial_tokens": 0} for split in SPLITS}}
+        # Written before the first shard byte, so that a crash at any point later leaves a journal
+        # that claims the output directory and says how much of it to keep.
+        write_json_atomic(journal_path, journal)
+
+    writers = {split: ShardWriter(output, split, token_dtype, shard_tokens, journal["splits"][split]["shards"],
+                                  journal["splits"][split]["partial_tokens"]) for split in SPLITS}
+    tmp_dir = output / TMP_DIR_NAME
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+
+    stats = journal["stats"]
+    start_unit = journal["units_done"]
+    total_rows = sum(u.rows for u in units) if all(u.kind == "parquet" for u in units) else None
+    bar = None
+    processes = 1 if workers == 1 or len(units) - start_unit <= 1 else workers
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_rows, initial=stats["documents_read"], unit="doc", unit_scale=True,
+                   dynamic_ncols=True, desc=f"tokenising ({processes} processes)", smoothing=0.05)
+    started = time.monotonic()
+    tokens_this_run = 0
+    completed = True
+
+    def tasks():
+        for index in range(start_unit, len(units)):
+            yield (units[index], str(tmp_dir / f"unit_{index:09d}"), text_key, val_fraction, token_dtype.name,
+                   tokenizer_info["eos_id"])
+
+    pool = None
+    try:
+        if processes == 1:
+            _init_worker(str(tokenizer_path))
+            results = map(_encode_unit_task, tasks())
+        else:
+            # spawn, not fork: the parent may hold pyarrow or torch thread pools that fork would break.
+            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),))
+            results = _ordered_bounded(pool, tasks(), in_flight=2 * workers)
+        for index, unit_stats in zip(range(start_unit, len(units)), results):
+            prefix = tmp_dir / f"unit_{index:09d}"
+            for split in SPLITS:
+                part = Path(f"{prefix}.{split}")
+                writers[split].append_file(part)
+                part.unlink()
+                writers[split].sync()
+            _add_stats(stats, unit_stats)
+            journal["units_done"] = index + 1
+            for split in SPLITS:
+                journal["splits"][split] = {"shards": writers[split].shards,
+                                            "partial_tokens": writers[split].partial_tokens}
+            write_json_atomic(journal_path, journal)
+            tokens_this_run += sum(unit_stats["tokens"].values())
+            if bar is not None:
+                bar.update(unit_stats["documents_read"])
+                elapsed = max(time.monotonic() - started, 1e-9)
+                bar.set_postfix_str(f"{tokens_this_run / elapsed / 1e6:.2f}M tok/s, "
+                                    f"{stats['tokens']['train'] / 1e9:.3f}B train tokens")
+            if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(units):
+                completed = False
+                break
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if bar is not None:
+            bar.close()
+        for writer in writers.values():
+            writer.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    if not completed:
+        print(f"{output}: stopped after {journal['units_done']} of {len(units)} work units (--time-limit); "
+              "rerun the same command to continue", file=sys.stderr)
+        return None
+
+    for writer in writers.values():
+        writer.finish()
+    manifest = {
+        "format": "lit-gpt packed shards: 24-byte header (b'LITPKDS', uint64 version 1, uint8 dtype code, "
+                  "uint64 token count), then the tokens",
+        "fingerprint": fingerprint,
+        "inputs": [{k: v for k, v in info.items() if k != "first_unit"} for info in input_info],
+        "work_units": len(units),
+        "tokenizer": tokenizer_info,
+        "settings": settings,
+        "shards": {split: [{"name": shard_name(split, i), "tokens": count}
+                           for i, count in enumerate(writers[split].shards)] for split in SPLITS},
+        "documents": {"read": stats["documents_read"], "kept": stats["documents_kept"],
+                      "skipped": stats["documents_skipped"], "skipped_examples": stats["skipped_examples"]},
+        "tokens": stats["tokens"],
+    }
+    write_json_atomic(output / MANIFEST_NAME, manifest)
+    journal_path.unlink()
+    _fsync_dir(output)
+    if progress:
+        kept = manifest["documents"]["kept"]
+        print(f"{output}: {manifest['tokens']['train']:,} train tokens in {len(writers['train'].shards)} shards, "
+              f"{manifest['tokens']['val']:,} val tokens in {len(writers['val'].shards)}; documents kept "
+              f"{kept['train'] + kept['val']:,}, skipped {dict(stats['documents_skipped'])}", file=sys.stderr)
+    return manifest
+
+
+def _ordered_bounded(pool, tasks: Iterator[tuple], in_flight: int) -> Iterator[dict]:
+    """Results of ``tasks`` in submission order, keeping at most ``in_flight`` submitted, so a
+    slow unit never lets finished ones pile up without bound."""
+    pending: collections.deque = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_encode_unit_task, (task,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", action="append", required=True,
+                        help="parquet / jsonl[.zst|.gz] file or glob (quote it); repeatable, order kept")
+    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    parser.add_argument("--output", required=True, help="output directory for shards and manifest.json")
+    parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
+    parser.add_argument("--val-fraction", type=float, default=0.0005, help="share of documents for validation")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 2**27)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "uint8", "uint16", "int32", "int64"],
+                        help="token type (auto: uint16 below 65500 pieces, else int32)")
+    parser.add_argument("--text-key", default="text", help="parquet column / JSON key holding the text")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="stop cleanly after this many seconds (exit status 3); rerun to continue")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete shards, journal and manifest already in --output first")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    manifest = prepare(args.input, args.tokenizer, args.output, workers=args.workers, val_fraction=args.val_fraction,
+                       shard_tokens=args.shard_tokens, dtype=args.dtype, text_key=args.text_key,
+                       time_limit=args.time_limit, overwrite=args.overwrite, progress=not args.quiet)
+    return 0 if manifest is not None else EXIT_INCOMPLETE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

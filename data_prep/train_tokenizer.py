@@ -1,0 +1,200 @@
+"""Train a SentencePiece BPE tokenizer with the Llama-2 settings.
+
+    python data_prep/train_tokenizer.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
+        --vocab-size 32000 --output tokenizer.model [--max-sentences 2000000] [--seed 3407]
+
+Writes ``tokenizer.model`` and ``tokenizer.vocab``. Inputs: parquet (column ``text``), JSON lines
+(``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` / ``.gz``; key ``text``) and text files
+(one document per line).
+
+Sampling, streamed (nothing is loaded whole): the inputs' work units (parquet row groups, byte
+ranges or whole compressed files, as in ``prepare.py``) are visited in an order shuffled from
+``--seed``, until ``--max-documents`` documents have been read; their lines (the unit SentencePiece
+trains on) go through a reservoir of ``--max-sentences`` lines, which is what the trainer sees.
+Lines longer than ``--max-sentence-length`` bytes are cut at a space near the limit rather than
+dropped, as SentencePiece would drop them.
+
+Settings (Llama-2's ``trainer_spec`` / ``normalizer_spec``): BPE; byte fallback (no unknown
+characters: rare ones become <0x..> byte pieces); digits split into single pieces; identity
+normalisation (no NFKC), whitespace kept as is (no collapsing) and a dummy prefix space; pieces
+of at most 16 characters; ids unk 0 (<unk>), bos 1 (<s>), eos 2 (</s>), no pad;
+character coverage 0.99995. Whitespace-only pieces are allowed, as in Llama-2's tokenizer (it has
+"▁▁", "▁▁▁▁", ...): runs of spaces, such as code indentation, become one token instead of many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `import data_prep` work from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep.prepare import Skipped, expand_inputs, plan_units, read_documents
+
+LLAMA2_SETTINGS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    normalization_rule_name="identity",
+    add_dummy_prefix=True,
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    split_by_unicode_script=True,
+    split_by_whitespace=True,
+    split_by_number=True,
+    treat_whitespace_as_suffix=False,
+    max_sentencepiece_length=16,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    unk_piece="<unk>",
+    bos_piece="<s>",
+    eos_piece="</s>",
+    vocabulary_output_piece_score=True,
+    hard_vocab_limit=True,
+    use_all_vocab=False,
+)
+DEFAULT_CHARACTER_COVERAGE = 0.99995
+DEFAULT_MAX_SENTENCE_LENGTH = 4192
+
+
+def split_long_line(line: str, limit: int) -> list[str]:
+    """Cut ``line`` into pieces of at most ``limit`` UTF-8 bytes, at a space when one lies in the
+    second half of the window, else at a character boundary."""
+    data = line.encode("utf-8")
+    pieces = []
+    while len(data) > limit:
+        cut = data.rfind(b" ", limit // 2, limit)
+        if cut <= 0:
+            cut = limit
+            while cut > 0 and (data[cut] & 0xC0) == 0x80:  # do not split a multi-byte character
+                cut -= 1
+        pieces.append(data[:cut].decode("utf-8"))
+        data = data[cut:]
+    pieces.append(data.decode("utf-8"))
+    return [p for p in pieces if p.strip()]
+
+
+def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents: int | None, seed: int,
+                     max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH, text_key: str = "text",
+                     report: bool = True) -> list[str]:
+    """A reservoir sample of ``max_sentences`` lines of the inputs (see the module docstring)."""
+    if max_sentences < 1:
+        raise ValueError(f"--max-sentences must be >= 1, got {max_sentences}")
+    paths = expand_inputs(patterns, kinds=("parquet", "jsonl", "text"))
+    units = [unit for path in paths for unit in plan_units(path, text_key)]
+    rng = random.Random(seed)
+    rng.shuffle(units)
+    reservoir: list[str] = []
+    seen = documents = skipped = 0
+    started = time.monotonic()
+
+    def lines() -> Iterator[str]:
+        nonlocal documents, skipped
+        for unit in units:
+            for _, text in read_documents(unit, text_key):
+                if max_documents is not None and documents >= max_documents:
+                    return
+                documents += 1
+                if isinstance(text, Skipped):
+                    skipped += 1
+                    continue
+                for line in text.splitlines():
+                    if line.strip():
+                        yield from split_long_line(line, max_sentence_length)
+
+    for line in lines():
+        # Algorithm R: after n lines, each has been kept with probability max_sentences / n.
+        if seen < max_sentences:
+            reservoir.append(line)
+        else:
+            slot = rng.randrange(seen + 1)
+            if slot < max_sentences:
+                reservoir[slot] = line
+        seen += 1
+    if not reservoir:
+        raise ValueError(f"--input: no text found in {', '.join(map(str, patterns))}")
+    if report:
+        print(f"sampled {len(reservoir):,} of {seen:,} lines from {documents:,} documents "
+              f"({skipped:,} skipped) in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    return reservoir
+
+
+def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_size: int = 32000, seed: int = 3407,
+                    character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
+                    max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH, num_threads: int | None = None,
+                    verbose: bool = False) -> Path:
+    """Train on ``sentences`` and write ``output`` (``*.model``) and its ``.vocab`` atomically."""
+    import sentencepiece as spm
+
+    output = Path(output)
+    if output.suffix != ".model":
+        raise ValueError(f"--output must end in .model, got {output}")
+    if vocab_size < 260:
+        raise ValueError(f"--vocab-size must be at least 260 (3 special + 256 byte pieces + 1), got {vocab_size}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    spm.set_random_generator_seed(seed)
+    # A fixed scratch name: SentencePiece records the prefix inside the model, and a random temporary
+    # name would make two identical trainings produce different files.
+    scratch = output.parent / f".{output.stem}.training"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        prefix = str(scratch / output.stem)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            max_sentence_length=max_sentence_length,
+            input_sentence_size=0,  # the reservoir above already sampled
+            shuffle_input_sentence=False,
+            num_threads=num_threads or len(os.sched_getaffinity(0)),
+            minloglevel=0 if verbose else 2,
+            **LLAMA2_SETTINGS,
+        )
+        os.replace(prefix + ".vocab", output.with_suffix(".vocab"))
+        os.replace(prefix + ".model", output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", action="append", required=True,
+                        help="parquet / jsonl[.zst|.gz] / txt file or glob (quote it); repeatable")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--output", required=True, help="PATH.model (PATH.vocab is written beside it)")
+    parser.add_argument("--max-sentences", type=int, default=2_000_000, help="lines given to the trainer")
+    parser.add_argument("--max-documents", type=int, default=1_000_000,
+                        help="stop reading after this many documents (0: read everything)")
+    parser.add_argument("--seed", type=int, default=3407)
+    parser.add_argument("--character-coverage", type=float, default=DEFAULT_CHARACTER_COVERAGE)
+    parser.add_argument("--max-sentence-length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
+                        help="bytes; longer lines are cut")
+    parser.add_argument("--text-key", default="text", help="parquet column / JSON key holding the text")
+    parser.add_argument("--threads", type=int, default=None, help="trainer threads (default: all cores)")
+    parser.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
+    args = parser.parse_args(argv)
+    sentences = sample_sentences(args.input, args.max_sentences, args.max_documents or None, args.seed,
+                                 args.max_sentence_length, args.text_key)
+    started = time.monotonic()
+    path = train_tokenizer(sentences, args.output, args.vocab_size, args.seed, args.character_coverage,
+                           args.max_sentence_length, args.threads, args.verbose)
+    print(f"wrote {path} and {path.with_suffix('.vocab')} ({args.vocab_size} pieces) in "
+          f"{time.monotonic() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""prepare.py: parquet / jsonl -> packed shards, exactness, determinism, resume, bad input."""
+
+import gzip
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+import data_prep.prepare as prep
+from gdn2.data import PackedShardReader, TrainLoader, ValLoader
+
+ROOT = Path(__file__).resolve().parents[2]
+VAL_FRACTION = 0.1
+SHARD_TOKENS = 1000
+
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float32, 7: np.float64, 8: np.uint16}
+
+
+def read_litpkds(path):
+    """A reader written from the format description alone: struct + numpy.fromfile."""
+    with open(path, "rb") as f:
+        magic, version, code, count = struct.unpack("<7sQBQ", f.read(24))
+        tokens = np.fromfile(f, dtype=np.dtype(DTYPES[code]).newbyteorder("<"))
+    assert magic == b"LITPKDS" and version == 1
+    assert len(tokens) == count, f"{path}: header count {count}, {len(tokens)} tokens in the file"
+    return code, tokens
+
+
+def expected_streams(documents, sp, val_fraction=VAL_FRACTION):
+    streams = {"train": [], "val": []}
+    for text in documents:
+        h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+        split = "val" if h < val_fraction * 2**64 else "train"
+        streams[split] += sp.encode(text) + [sp.eos_id()]
+    return streams
+
+
+def shard_files(directory):
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).glob("*.bin"))}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, make_documents, write_fineweb_parquet):
+    """Three FineWeb-Edu parquet files of 80 documents in row groups of 30 (9 work units)."""
+    root = tmp_path_factory.mktemp("corpus")
+    documents = make_documents(240, seed=5)
+    for i in range(3):
+        write_fineweb_parquet(root / f"part_{i}.parquet", documents[80 * i:80 * (i + 1)], row_group_size=30)
+    return root, documents
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tokenizer_model, tmp_path_factory):
+    """The uninterrupted single-process run every other run must reproduce byte for byte."""
+    root, _ = corpus
+    out = tmp_path_factory.mktemp("reference")
+    manifest = prep.prepare([str(root / "part_*.parquet")], tokenizer_model, out, workers=1,
+                            val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, progress=False)
+    return out, manifest
+
+
+def test_round_trip_parquet_to_shards(corpus, reference, sp):
+    _, documents = corpus
+    out, manifest = reference
+    expected = expected_streams(documents, sp)
+    assert len(expected["val"]) > 0 and len(expected["train"]) > 3 * SHARD_TOKENS
+    for split in ("train", "val"):
+        names = sorted(p.name for p in out.glob(f"{split}_*.bin"))
+        assert names == [f"{split}_{i:010d}.bin" for i in range(len(names))]
+        pieces = [read_litpkds(out / name) for name in names]
+        assert all(code == 8 for code, _ in pieces)  # uint16 for a 600-piece vocabulary
+        counts = [len(tokens) for _, tokens in pieces]
+        assert all(c == SHARD_TOKENS for c in counts[:-1]) and 0 < counts[-1] <= SHARD_TOKENS
+        stream = np.concatenate([tokens for _, tokens in pieces])
+        assert stream.tolist() == expected[split]
+        assert [s["tokens"] for s in manifest["shards"][split]] == counts
+        assert manifest["tokens"][split] == len(expected[split])
+        reader = PackedShardReader(out / names[0])
+        assert reader.dtype == np.uint16 and np.array_equal(reader.tokens, pieces[0][1])
+    docs = manifest["documents"]
+    assert docs["read"] == 240 and docs["kept"]["train"] + docs["kept"]["val"] == 240
+    assert sum(docs["skipped"].values()) == 0
+    assert manifest["tokenizer"]["sha256"] == hashlib.sha256(Path(manifest["tokenizer"]["path"]).read_bytes()).hexdigest()
+    assert [Path(i["path"]).name for i in manifest["inputs"]] == ["part_0.parquet", "part_1.parquet", "part_2.parquet"]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert not (out / prep.JOURNAL_NAME).exists() and not list(out.glob("*.partial"))
+
+
+def test_loaders_read_prepared_output(reference, sp):
+    out, manifest = reference
+    train = TrainLoader([(out, 1.0)], block_size=32, micro_batch_size=2, document_masking=True,
+                        eos_id=sp.eos_id())
+    batch = next(iter(train))
+    assert batch["input_ids"].shape == (2, 32)
+    val = ValLoader(out, block_size=32, micro_batch_size=2, num_batches=2)
+    first = next(iter(val))["input_ids"][0].tolist()
+    _, tokens = read_litpkds(out / "val_0000000000.bin")
+    assert first == tokens[:32].tolist()
+
+
+def test_workers_do_not_change_the_output(corpus, reference, tokenizer_model, tmp_path):
+    root, _ = corpus
+    prep.prepare([str(root / "part_*.parquet")], tokenizer_model, tmp_path, workers=2,
+                 val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, progress=False)
+    assert shard_files(tmp_path) == shard_files(reference[0])
+    assert (tmp_path / "manifest.json").read_text() == (reference[0] / "manifest.json").read_text().replace(
+        str(reference[0]), str(tmp_path))
+
+
+def test_resume_after_each_time_limit_stop(corpus, reference, tokenizer_model, tmp_path):
+    root, _ = corpus
+    runs = 0
+    while True:
+        runs += 1
+        result = prep.prepare([str(root / "part_*.parquet")], tokenizer_model, tmp_path, workers=1,
+                              val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, time_limit=0, progress=False)
+        if result is not None:
+            break
+        journal = json.loads((tmp_path / prep.JOURNAL_NAME).read_text())
+        assert journal["units_done"] == runs  # one unit per run
+    assert runs == 9
+    assert shard_files(tmp_path) == shard_files(reference[0])
+
+
+# Journal write 1 claims the directory; write k + 1 commits unit k (of 9).
+@pytest.mark.parametrize("crash_at_commit, workers", [(1, 1), (2, 1), (5, 2), (10, 1)])
+def test_resume_after_a_crash_between_shard_writes_and_journal(corpus, reference, tokenizer_model, tmp_path,
+                                                              monkeypatch, crash_at_commit, workers):
+    """The crash strikes after a unit's tokens reached the shards (closing some of them) but before
+    its journal entry: the rerun must undo exactly that unit's writes and redo it."""
+    root, _ = corpus
+    real_write = prep.write_json_atomic
+    commits = []
+
+    def crashing_write(path, payload):
+        if path.name == prep.JOURNAL_NAME:
+            commits.append(path)
+            if len(commits) == crash_at_commit:
+                raise RuntimeError("simulated crash")
+        real_write(path, payload)
+
+    monkeypatch.setattr(prep, "write_json_atomic", crashing_write)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        prep.prepare([str(root / "part_*.parquet")], tokenizer_model, tmp_path, workers=workers,
+                     val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, progress=False)
+    if crash_at_commit > 1:
+        assert list(tmp_path.glob("*.bin.partial"))  # the crash left an open shard behind
+    monkeypatch.setattr(prep, "write_json_atomic", real_write)
+    prep.prepare([str(root / "part_*.parquet")], tokenizer_model, tmp_path, workers=workers,
+                 val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, progress=False)
+    assert shard_files(tmp_path) == shard_files(reference[0])
+
+
+def test_resume_after_sigkill_of_the_cli(tokenizer_model, sp, tmp_path, make_documents, write_fineweb_parquet):
+    documents = make_documents(400, seed=11)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(4):
+        write_fineweb_parquet(inputs / f"p{i}.parquet", documents[100 * i:100 * (i + 1)], row_group_size=4)
+    command = [sys.executable, str(ROOT / "data_prep" / "prepare.py"), "--input", str(inputs / "*.parquet"),
+               "--tokenizer", str(tokenizer_model), "--output", str(tmp_path / "out"), "--workers", "2",
+               "--val-fraction", str(VAL_FRACTION), "--shard-tokens", str(SHARD_TOKENS), "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    journal = tmp_path / "out" / prep.JOURNAL_NAME
+    deadline = time.monotonic() + 60
+    units_done = 0
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            units_done = json.loads(journal.read_text())["units_done"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if units_done >= 3:
+            break
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert 3 <= units_done < 100, "the job was not interrupted mid-way"
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    expected = expected_streams(documents, sp)
+    for split in ("train", "val"):
+        stream = np.concatenate([read_litpkds(p)[1] for p in sorted((tmp_path / "out").glob(f"{split}_*.bin"))])
+        assert stream.tolist() == expected[split]
+
+
+def _write_jsonl(path, records, opener=open):
+    with opener(path, "wb") as f:
+        for record in records:
+            f.write((json.dumps(record) + "\n").encode())
+
+
+def test_jsonl_inputs_plain_zst_gz_and_byte_ranges_match_parquet(corpus, reference, tokenizer_model, tmp_path,
+                                                                 monkeypatch):
+    _, documents = corpus
+    records = [{"text": t, "id": i} for i, t in enumerate(documents)]
+    _write_jsonl(tmp_path / "a.jsonl", records[:100])
+    _write_jsonl(tmp_path / "b.jsonl.zst", records[100:180],
+                 opener=lambda p, m: zstandard.ZstdCompressor().stream_writer(open(p, m)))
+    _write_jsonl(tmp_path / "c.jsonl.gz", records[180:], opener=gzip.open)
+    monkeypatch.setattr(prep, "JSONL_UNIT_BYTES", 997)  # ~90 byte-range units, cut mid-line
+    inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.zst", "c.jsonl.gz")]
+    manifest = prep.prepare(inputs, tokenizer_model, tmp_path / "out", workers=2, val_fraction=VAL_FRACTION,
+                            shard_tokens=SHARD_TOKENS, progress=False)
+    assert manifest["work_units"] > 50
+    assert shard_files(tmp_path / "out") == shard_files(reference[0])
+
+
+def test_bad_documents_are_skipped_and_counted(tokenizer_model, sp, tmp_path, make_documents,
+                                               write_fineweb_parquet):
+    good = make_documents(3, seed=8)
+    # A string column smuggling invalid UTF-8 (parquet does not validate it on read).
+    texts = [good[0], "", " \n\t ", None, b"\xff\xfe broken".decode("latin-1"), good[1]]
+    raw = [t.encode("utf-8") if t is not None else None for t in texts]
+    raw[4] = b"\xff\xfe broken"
+    offsets = np.cumsum([0] + [len(r or b"") for r in raw]).astype(np.int32)
+    validity = pa.array([r is not None for r in raw]).buffers()[1]
+    column = pa.StringArray.from_buffers(len(raw), pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(r or b"" for r in raw)),
+                                         null_bitmap=validity, null_count=1)
+    pq.write_table(pa.table({"text": column, "id": [str(i) for i in range(6)]}), tmp_path / "a.parquet")
+    write_fineweb_parquet(tmp_path / "b.parquet", [b"\x80bad", good[2].encode(), b""], text_type=pa.binary())
+    lines = [json.dumps({"text": good[0]}).encode(), b'{"text": ""}', b"not json", b"[1, 2]", b'{"id": 3}',
+             b'{"text": 5}', b'{"text": "lone \\ud800 surrogate"}', b'{"text": "\xff"}', b"", json.dumps({"text": good[1]}).encode()]
+    (tmp_path / "c.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    manifest = prep.prepare([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet"), str(tmp_path / "c.jsonl")],
+                            tokenizer_model, tmp_path / "out", workers=1, val_fraction=0.0, progress=False)
+    docs = manifest["documents"]
+    assert docs["skipped"] == {"empty": 4, "undecodable": 4, "missing_text": 3, "bad_json": 2}
+    assert docs["kept"] == {"train": 5, "val": 0} and docs["read"] == 18
+    examples = docs["skipped_examples"]
+    assert any("a.parquet row 4" in e for e in examples["undecodable"])
+    assert any("b.parquet row 0" in e for e in examples["undecodable"])
+    assert any("c.jsonl" in e for e in examples["bad_json"])
+    stream = np.concatenate([read_litpkds(p)[1] for p in sorted((tmp_path / "out").glob("train_*.bin"))])
+    assert stream.tolist() == expected_streams([good[0], good[1], good[2], good[0], good[1]], sp, 0.0)["train"]
+    assert not list((tmp_path / "out").glob("val_*.bin"))  # an empty split writes no shard
+
+
+def test_parquet_without_text_column_names_the_file(tokenizer_model, tmp_path):
+    pq.write_table(pa.table({"content": ["hello"], "id": ["1"]}), tmp_path / "no_text.parquet")
+    with pytest.raises(ValueError, match=r"no_text\.parquet.*no column 'text'.*content"):
+        prep.prepare([str(tmp_path / "no_text.parquet")], tokenizer_model, tmp_path / "out", progress=False)
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "int_text.parquet")
+    with pytest.raises(ValueError, match=r"int_text\.parquet.*type int64"):
+        prep.prepare([str(tmp_path / "int_text.parquet")], tokenizer_model, tmp_path / "out", progress=False)
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"notes\.csv.*unsupported"):
+        prep.prepare([str(tmp_path / "notes.csv")], tokenizer_model, tmp_path / "out", progress=False)
+    with pytest.raises(FileNotFoundError, match="nothing_here"):
+        prep.prepare([str(tmp_path / "nothing_here*.parquet")], tokenizer_model, tmp_path / "out", progress=False)
+
+
+def test_vocabulary_too_large_for_the_dtype(tokenizer_model, corpus, tmp_path):
+    root, _ = corpus
+    with pytest.raises(ValueError, match=r"tok\.model.*600 pieces.*uint8"):
+        prep.prepare([str(root / "part_0.parquet")], tokenizer_model, tmp_path, dtype="uint8", progress=False)
+    with pytest.raises(ValueError, match=r"big\.model.*70000 pieces.*uint16"):
+        prep.resolve_dtype("uint16", 70000, "big.model")
+    assert prep.resolve_dtype("auto", 70000) == np.int32
+    manifest = prep.prepare([str(root / "part_0.parquet")], tokenizer_model, tmp_path, dtype="int32",
+                            shard_tokens=SHARD_TOKENS, progress=False)
+    assert manifest["settings"]["dtype"] == "int32"
+    assert read_litpkds(tmp_path / "train_0000000000.bin")[0] == 4
+
+
+def test_finished_output_is_a_no_op_and_other_jobs_are_refused(corpus, tokenizer_model, tmp_path):
+    root, _ = corpus
+    args = ([str(root / "part_0.parquet")], tokenizer_model, tmp_path)
+    first = prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False) == first
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+    with pytest.raises(ValueError, match="finished dataset"):
+        prep.prepare(*args, shard_tokens=SHARD_TOKENS * 2, progress=False)
+    again = prep.prepare(*args, shard_tokens=SHARD_TOKENS * 2, overwrite=True, progress=False)
+    assert again["settings"]["shard_tokens"] == SHARD_TOKENS * 2
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "train_0000000000.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not made by this job"):
+        prep.prepare(args[0], tokenizer_model, stranger, progress=False)
+
+
+def test_cli_round_trip_and_exit_status(corpus, tokenizer_model, tmp_path):
+    root, _ = corpus
+    command = [sys.executable, str(ROOT / "data_prep" / "prepare.py"), "--input", str(root / "part_1.parquet"),
+               "--tokenizer", str(tokenizer_model), "--output", str(tmp_path), "--workers", "1",
+               "--shard-tokens", "500", "--time-limit", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    stopped = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert stopped.returncode == prep.EXIT_INCOMPLETE, stopped.stderr
+    assert "rerun" in stopped.stderr
+    done = subprocess.run(command[:-2], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "doc/s" in done.stderr and "tok/s" in done.stderr  # the progress bar
+    assert json.loads((tmp_path / "manifest.json").read_text())["documents"]["read"] == 80
