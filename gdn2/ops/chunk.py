@@ -1,0 +1,184 @@
+"""Chunked GDN-2 in Triton: forward, backward and the autograd Function behind ``chunk_gdn2``.
+
+Forward: [L2 norm of q, k] -> ``gdn2_prep_kernel`` (chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the
+state scan, which also writes o). For training the scan saves the state at every chunk start and R,
+so the backward never re-runs the forward scan. Backward: prep again (recomputing Aqk, A and the scan
+operands is cheaper than storing them) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) ->
+``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (both chunk-parallel) -> [L2 norm backward].
+
+The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_prep_kernel
+from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
+from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
+
+
+def _size_bucket(n: int) -> int:
+    # autotuning key: configs are re-tuned per order of magnitude of the work, not per shape
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool, store_a: bool):
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    aqk = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    amat = torch.empty(TT, H, CHUNK, device=dev, dtype=dt) if store_a else aqk
+    y = torch.empty_like(q)
+    kt = torch.empty_like(q)
+    qg = torch.empty_like(q)
+    u = torch.empty(TT, H, V, device=dev, dtype=dt) if store_u else v
+    gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
+    cu, info, _ = lay.kernel_args(gcl)
+    gdn2_prep_kernel[(lay.NC, H)](
+        q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT,
+        _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
+        STORE_U=store_u, STORE_A=store_a, DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+    return aqk, (amat if store_a else None), y, (u if store_u else None), kt, qg, gcl
+
+
+def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay: ChunkLayout,
+                 save_states: bool):
+    """Flattened forward. q, k, b, g: [TT, H, K]; v, w: [TT, H, V] (contiguous, q's dtype except g).
+
+    Returns o [TT, H, V], final state (fp32 [N, H, K, V] or None), and when ``save_states`` the state
+    checkpoints [NC, H, K, V] and R [TT, H, V] in q's dtype.
+    """
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    aqk, _, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=True, store_a=False)
+    o = torch.empty(TT, H, V, device=dev, dtype=dt)
+    ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt) if save_states else None
+    rbuf = torch.empty(TT, H, V, device=dev, dtype=dt) if save_states else None
+    cu, _, off = lay.kernel_args(gcl)
+    gdn2_fwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
+        y, u, kt, qg, aqk, gcl, initial_state if initial_state is not None else gcl, o,
+        rbuf if save_states else o, hbuf if save_states else o, ht if ht is not None else gcl,
+        cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, HAS_H0=initial_state is not None,
+        STORE_FINAL=output_final_state, SAVE_STATES=save_states, DOT_PREC=dot_precision(dt), BT=CHUNK)
+    return o, ht, hbuf, rbuf
+
+
+def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, lay: ChunkLayout,
+                  need_dh0: bool):
+    """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`.
+
+    dq and dk are fp32 (the L2-norm backward may follow); the others have their input's dtype; dh0 is
+    fp32 or None.
+    """
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    prec = dot_precision(dt)
+    aqk, amat, y, _, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=False, store_a=True)
+    cu, info, off = lay.kernel_args(gcl)
+    dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
+    dr = torch.empty(TT, H, V, device=dev, dtype=dt)
+    dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    gdn2_bwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
+        qg, y, kt, aqk, gcl, do, dht if dht is not None else gcl, dhbuf, dr, dh0 if need_dh0 else gcl,
+        cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, HAS_DHT=dht is not None,
+        HAS_DH0=need_dh0, DOT_PREC=prec, BT=CHUNK)
+    del y, kt, qg, aqk
+    dv = torch.empty_like(v)
+    dw = torch.empty_like(w)
+    daqk = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32)
+    dtm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32)
+    gdn2_bwd_wy_kernel[(lay.NC, H)](
+        v, w, amat, rbuf, dr, do, dv, dw, daqk, dtm, cu, info, scale, lay.T, lay.NT,
+        _size_bucket(lay.NC * H), H=H, V=V, VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
+    dq = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    dk = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    db = torch.empty_like(b)
+    dg = torch.empty_like(g)
+    gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC, triton.cdiv(K, meta["BK"]) * H)](
+        q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
+        lay.T, lay.NT, _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V),
+        IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    return dq, dk, dv, dg, db, dw, dh0
+
+
+class ChunkGDN2Function(torch.autograd.Function):
+    """Autograd over flattened tensors [TT, H, D]; see :func:`chunk_gdn2_triton` for the contract."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, b, w, initial_state, scale, output_final_state, use_l2, lay):
+        qn, q_rstd = l2norm_fwd(q) if use_l2 else (q, None)
+        kn, k_rstd = l2norm_fwd(k) if use_l2 else (k, None)
+        o, ht, hbuf, rbuf = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state, output_final_state, lay,
+                                         save_states=True)
+        ctx.save_for_backward(q, k, v, g, b, w, initial_state, hbuf, rbuf)
+        ctx.scale, ctx.use_l2, ctx.lay = scale, use_l2, lay
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, b, w, initial_state, hbuf, rbuf = ctx.saved_tensors
+        if ctx.use_l2:
+            qn, q_rstd = l2norm_fwd(q)
+            kn, k_rstd = l2norm_fwd(k)
+        else:
+            qn, kn = q, k
+        dq, dk, dv, dg, db, dw, dh0 = gdn2_backward(
+            qn, kn, v, g, b, w, ctx.scale, initial_state, hbuf, rbuf, do.contiguous(),
+            None if dht is None else dht.contiguous(), ctx.lay,
+            need_dh0=initial_state is not None and ctx.needs_input_grad[6])
+        if ctx.use_l2:
+            dq = l2norm_bwd(q, q_rstd, dq, q.dtype)
+            dk = l2norm_bwd(k, k_rstd, dk, k.dtype)
+        else:
+            dq, dk = dq.to(q.dtype), dk.to(k.dtype)
+        return dq, dk, dv, dg, db, dw, dh0, None, None, None, None
+
+
+def chunk_gdn2_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+    scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked GDN-2 on validated inputs (see ``gdn2.ops.chunk_gdn2``).
+
+    q, k: [B,T,H,K]; v, w: [B,T,HV,V]; g, b: [B,T,H or HV,K]; g fp32 or bf16, the others bf16 / fp16 /
+    fp32 (k, v, b, w are used in q's dtype); initial_state fp32 [N,HV,K,V]. Returns o [B,T,HV,V] in q's
+    dtype and the fp32 final state [N,HV,K,V] (or None). Differentiable in all tensor inputs.
+    Grouped value heads are served by repeating q, k (and g, b) over their value heads.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = q.dtype
+    k, v, b, w = (t if t.dtype == dt else t.to(dt) for t in (k, v, b, w))
+    if H != HV:
+        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+    g, b = (t if t.shape[2] == HV else t.repeat_interleave(HV // t.shape[2], dim=2) for t in (g, b))
+    lay = chunk_layout(B, T, cu_seqlens, q.device)
+    if B * T == 0:
+        o = v.new_zeros(B, T, HV, V, dtype=dt)
+        if not output_final_state:
+            return o, None
+        init = initial_state if initial_state is not None else v.new_zeros(lay.N, HV, K, V, dtype=torch.float32)
+        return o, init.float().clone()
+    flat = [t.reshape(B * T, HV, t.shape[-1]).contiguous() for t in (q, k, v, g, b, w)]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, b, w, initial_state))
+    if needs_grad:
+        o, ht = ChunkGDN2Function.apply(*flat, h0, scale, output_final_state, use_qk_l2norm_in_kernel, lay)
+    else:
+        qf, kf = flat[0], flat[1]
+        if use_qk_l2norm_in_kernel:
+            qf, kf = l2norm_fwd(qf)[0], l2norm_fwd(kf)[0]
+        o, ht, _, _ = gdn2_forward(qf, kf, *flat[2:], scale, h0, output_final_state, lay, save_states=False)
+    return o.view(B, T, HV, V), ht

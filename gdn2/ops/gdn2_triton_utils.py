@@ -1,0 +1,197 @@
+"""Shared pieces of the Triton GDN-2 kernels: chunk bookkeeping, autotuning, in-register helpers.
+
+Token tensors are flattened to ``[TT, H, D]`` (``TT = B*T``); a sequence ``n`` owns tokens
+``cu[n]:cu[n+1]`` (fixed-length batches are the special case ``cu = arange(0, B*T + 1, T)`` and need
+no index tensors). Chunks of ``BT = 64`` tokens restart at every sequence start; the global chunk
+``c`` is the unit of the chunk-parallel kernels and indexes the per-chunk state checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+CHUNK = 64      # chunk length
+SUB = 16        # sub-chunk length (diagonal blocks of the WY system)
+LOG2E = 1.4426950408889634
+
+
+def padded(d: int) -> int:
+    """Smallest power of two >= d and >= 16 (tl.dot needs every dimension >= 16)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must stay fp32 inside tl.dot: tf32 would miss the 1e-4 accuracy target.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunk bookkeeping
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class ChunkLayout:
+    """Where the sequences and chunks of one call lie.
+
+    N sequences, NC chunks in all; ``T`` / ``NT`` are the per-sequence length / chunk count of a
+    fixed-length batch (unused when ``varlen``). ``cu`` (int32 [N+1]), ``chunk_info`` (int32 [NC, 2]:
+    sequence, chunk within it) and ``chunk_off`` (int32 [N+1]: first global chunk of each sequence)
+    exist only for varlen inputs; kernels compute them arithmetically otherwise.
+    """
+
+    N: int
+    NC: int
+    T: int
+    NT: int
+    varlen: bool
+    cu: Optional[torch.Tensor]
+    chunk_info: Optional[torch.Tensor]
+    chunk_off: Optional[torch.Tensor]
+
+    def kernel_args(self, dummy: torch.Tensor):
+        cu = self.cu if self.varlen else dummy
+        info = self.chunk_info if self.varlen else dummy
+        off = self.chunk_off if self.varlen else dummy
+        return cu, info, off
+
+
+def chunk_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: torch.device) -> ChunkLayout:
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, CHUNK)
+        return ChunkLayout(B, B * nt, T, nt, False, None, None, None)
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    counts = [triton.cdiv(e - s, CHUNK) for s, e in zip(cu[:-1], cu[1:])]
+    info, off = [], [0]
+    for n, c in enumerate(counts):
+        info.extend(x for i in range(c) for x in (n, i))
+        off.append(off[-1] + c)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return ChunkLayout(len(counts), off[-1], T, 0, True, as_t(cu), as_t(info), as_t(off))
+
+
+@triton.jit
+def chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """First token and valid length of global chunk ``i_c``."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_info + 2 * i_c)
+        i_l = tl.load(chunk_info + 2 * i_c + 1)
+        bos = tl.load(cu + i_n)
+        eos = tl.load(cu + i_n + 1)
+    else:
+        i_n = i_c // NT
+        i_l = i_c % NT
+        bos = i_n * T
+        eos = bos + T
+    t0 = bos + i_l * BT
+    return t0, tl.minimum(eos - t0, BT)
+
+
+@triton.jit
+def seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN: tl.constexpr):
+    """First token, end token and first global chunk of sequence ``i_n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n)
+        eos = tl.load(cu + i_n + 1)
+        c0 = tl.load(chunk_off + i_n)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        c0 = i_n * NT
+    return bos, eos, c0
+
+
+# --------------------------------------------------------------------------------------------------
+# In-register helpers for the 16-row sub-chunks of a 64-row chunk tile
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def block_sum_bcast(x, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """y[r] = sum of x over the rows of r's sub-chunk (x: [BT, BD])."""
+    s = tl.sum(tl.reshape(x, (BT // BC, BC, BD)), axis=1)
+    return tl.reshape(tl.broadcast_to(s[:, None, :], (BT // BC, BC, BD)), (BT, BD))
+
+
+@triton.jit
+def pick_rows(x, j, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """y[r] = x[BC * (r // BC) + j]: row j of every sub-chunk, broadcast over that sub-chunk."""
+    r = tl.arange(0, BT)
+    return block_sum_bcast(tl.where((r % BC == j)[:, None], x, 0.0), BT, BC, BD)
+
+
+@triton.jit
+def row_of(x, i, BT: tl.constexpr):
+    """Row i of a [BT, D] tile as a [D] vector."""
+    r = tl.arange(0, BT)
+    return tl.sum(tl.where((r == i)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def exp2_nonpos(x):
+    # every decay factor is exp2 of an exponent <= 0 where it is used; clamping keeps the masked
+    # lanes (whose exponent may be large and positive) finite instead of inf.
+    return tl.exp2(tl.minimum(x, 0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Autotuning: a small config space on the GPU, one fixed config under the interpreter
+# --------------------------------------------------------------------------------------------------
+
+class Tuned:
+    """A Triton kernel autotuned over ``configs`` on the GPU.
+
+    ``clip`` maps a block-size meta-parameter to the kernel argument that bounds it (e.g.
+    ``{"BK": "KP"}``): configs are clipped to that bound and deduplicated, so small heads do not
+    compile oversized tiles. Under ``TRITON_INTERPRET=1`` no autotuning happens: the first config
+    (clipped) is passed explicitly.
+    """
+
+    def __init__(self, fn, configs, key, clip=None):
+        self.fn = fn
+        self.configs = configs
+        self.clip = clip or {}
+        if INTERPRET:
+            self.kernel = fn
+        else:
+            self.kernel = triton.autotune(configs=configs, key=key,
+                                          prune_configs_by={"early_config_prune": self._prune})(fn)
+
+    def _clipped(self, cfg, args):
+        kw = dict(cfg.kwargs)
+        for meta, bound in self.clip.items():
+            if meta in kw and bound in args:
+                kw[meta] = min(kw[meta], int(args[bound]))
+        return triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _prune(self, configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        out, seen = [], set()
+        for cfg in configs:
+            c = self._clipped(cfg, args)
+            sig = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(c)
+        return out
+
+    def __getitem__(self, grid):
+        if not INTERPRET:
+            return self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            named = dict(zip(self.fn.arg_names, args), **kwargs)
+            meta = self._clipped(self.configs[0], named).kwargs
+            g = grid(meta) if callable(grid) else grid
+            return self.fn[g](*args, **kwargs, **meta)
+
+        return launch
+
+
+def tuned(configs, key, clip=None):
+    return lambda fn: Tuned(fn, configs, key, clip)
