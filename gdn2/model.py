@@ -16,8 +16,10 @@ from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
 from gdn2.layers.init import Embedding, Linear, RMSNorm
+from gdn2.layers.packed import PackedPrompts
 
-__all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "flops_per_token", "positions_in_documents"]
+__all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "PackedPrompts", "flops_per_token",
+           "positions_in_documents"]
 
 
 class MLP(nn.Module):
@@ -48,12 +50,24 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 pos_in_doc: Optional[torch.Tensor] = None,
-                cache: Optional[Union[GDN2Cache, AttentionCache]] = None) -> torch.Tensor:
+                cache: Optional[Union[GDN2Cache, AttentionCache]] = None,
+                packed: Optional[PackedPrompts] = None) -> torch.Tensor:
         h = self.norm_1(x)
         if self.kind == "gdn2":
-            h = self.mixer(h, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc, cache=cache)
+            h = self.mixer(h, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc, cache=cache, packed=packed is not None)
         else:
-            h = self.mixer(h, positions, cu_seqlens=cu_seqlens, cache=cache)
+            h = self.mixer(h, positions, cu_seqlens=cu_seqlens, cache=cache, packed=packed)
+        x = x + h
+        return x + self.mlp(self.norm_2(x))
+
+    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, offsets: torch.Tensor,
+                    cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
+        """x: [B,1,d] -> [B,1,d]; see :meth:`GPT.decode_step`."""
+        h = self.norm_1(x)
+        if self.kind == "gdn2":
+            h = self.mixer.decode_step(h, cache)
+        else:
+            h = self.mixer.decode_step(h, positions, column, offsets, cache)
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
@@ -61,7 +75,11 @@ class Block(nn.Module):
 class InferenceCache:
     """Per-layer decoding state: GDN-2 recurrent state + conv tails, attention ring buffers.
 
-    ``seen`` counts the tokens already processed, i.e. the position of the next token.
+    ``seen`` counts the columns already processed, i.e. the column of the next token; ``column`` is
+    the same count as a 0-d device tensor, which a captured decode step advances by itself.
+    ``offsets`` [B] is the first column of each row: rows whose prompt is shorter than the longest
+    one of the batch start later (:meth:`GPT.prefill`), so row ``r`` holds position ``c - offsets[r]``
+    in column ``c``. All zeros unless prompts of different lengths were prefilled together.
     """
 
     def __init__(self, model: "GPT", batch_size: int, device: Optional[torch.device] = None,
@@ -78,6 +96,31 @@ class InferenceCache:
             else:
                 self.layers.append(block.mixer.init_cache(batch_size, device, dtype, self.max_length))
         self.seen = 0
+        self.column = torch.zeros((), dtype=torch.long, device=device)
+        self.offsets = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.ragged = False  # True once rows start in different columns
+
+    def reset(self) -> None:
+        """Empty every layer in place: tensors a CUDA graph captured remain the ones in use."""
+        for layer in self.layers:
+            layer.reset()
+        self.seen = 0
+        self.column.zero_()
+        self.offsets.zero_()
+        self.ragged = False
+
+    def rows(self, n: int) -> "InferenceCache":
+        """A cache over the first ``n`` rows sharing this one's memory (column counter included)."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"rows: n must be in [1, {self.batch_size}], got {n}")
+        view = object.__new__(InferenceCache)
+        view.max_length, view.batch_size = self.max_length, n
+        view.layers = [layer.rows(n) for layer in self.layers]
+        view.seen, view.column, view.offsets, view.ragged = self.seen, self.column, self.offsets[:n], self.ragged
+        return view
+
+    def full_attention(self) -> bool:
+        return any(isinstance(c, AttentionCache) and c.full_attention for c in self.layers)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -120,8 +163,9 @@ class GPT(nn.Module):
             x = x.reshape(1, B * T, -1)  # the operators take packed documents as one batch row
             pos_in_doc = positions_in_documents(cu_seqlens, B * T)
         start = cache.seen if cache is not None else 0
-        if cache is not None and start + T > cache.max_length and any(
-                isinstance(c, AttentionCache) and c.full_attention for c in cache.layers):
+        if cache is not None and cache.ragged:
+            raise ValueError("this cache holds prompts of different lengths: continue with decode_step")
+        if cache is not None and start + T > cache.max_length and cache.full_attention():
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache's max_length {cache.max_length}")
         # with document masking, RoPE positions restart with every document as well
         positions = pos_in_doc if pos_in_doc is not None else torch.arange(start, start + T, device=idx.device)
@@ -132,7 +176,53 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if cache is not None:
             cache.seen += T
+            cache.column.add_(T)
         return logits.reshape(B, T, -1)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor], cache: InferenceCache) -> torch.Tensor:
+        """Run prompts of any lengths through the model in one packed pass and fill an empty ``cache``.
+
+        prompts: ``cache.batch_size`` int64 1-D tensors (>= 1 token each). They are concatenated and
+        processed as separate documents (``cu_seqlens``), so each prompt sees exactly what it would
+        alone, with no padding; their states then go to cache row ``i``, right-aligned (see
+        :class:`InferenceCache`). Returns the logits of each prompt's last token [B, vocab_size].
+        """
+        if len(prompts) != cache.batch_size:
+            raise ValueError(f"prefill: got {len(prompts)} prompts for a cache of {cache.batch_size} rows")
+        if cache.seen != 0:
+            raise ValueError("prefill needs an empty cache (call cache.reset())")
+        device = self.lm_head.weight.device
+        packed = PackedPrompts.from_lengths([int(p.numel()) for p in prompts], device)
+        if cache.full_attention() and packed.num_columns > cache.max_length:
+            raise ValueError(f"prompt of {packed.num_columns} tokens exceeds the cache's max_length {cache.max_length}")
+        idx = torch.cat([p.reshape(-1) for p in prompts]).to(device=device, dtype=torch.long)[None]
+        x = self.transformer.wte(idx)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, packed.pos_in_doc, cu_seqlens=packed.cu_seqlens, pos_in_doc=packed.pos_in_doc,
+                      cache=cache.layers[i], packed=packed)
+        logits = self.lm_head(self.transformer.ln_f(x[0, packed.last]))
+        cache.seen = packed.num_columns
+        cache.column.fill_(packed.num_columns)
+        cache.offsets.copy_(packed.offsets)
+        cache.ragged = min(int(p.numel()) for p in prompts) != packed.num_columns
+        return logits
+
+    def decode_step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """One token per row: tokens int64 [B] -> logits [B, vocab_size].
+
+        Every cache update happens in place and nothing waits for the host, so a CUDA graph can
+        capture this call and replay it. The token goes to column ``cache.column`` (advanced here on
+        the device); ``cache.seen``, a host-side count, is left to the caller, since a replayed graph
+        cannot update it. The caller also checks that a full-attention cache has room.
+        """
+        x = self.transformer.wte(tokens)[:, None]
+        positions = cache.column - cache.offsets
+        for i, block in enumerate(self.transformer.h):
+            x = block.decode_step(x, positions, cache.column, cache.offsets, cache.layers[i])
+        logits = self.lm_head(self.transformer.ln_f(x))[:, 0]
+        cache.column.add_(1)
+        return logits
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

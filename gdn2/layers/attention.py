@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gdn2.config import Config
 from gdn2.layers.init import Linear
 from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
+
+if TYPE_CHECKING:
+    from gdn2.layers.packed import PackedPrompts
 
 
 def rope_tables(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +41,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def apply_rope_per_row(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B,1,H,D]; cos, sin: [B,D] (one position per batch row). Same arithmetic as :func:`apply_rope`."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    cos, sin = cos[:, None, None, :].to(xf.dtype), sin[:, None, None, :].to(xf.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
 @dataclass
 class AttentionCache:
     """Ring buffer of the last ``capacity`` keys and values (RoPE applied) and their positions.
 
     With a sliding window the capacity is the window, so memory stays bounded for any generation
     length; with full attention it is the longest sequence the cache was made for.
+
+    ``positions`` are *columns* shared by all rows. A row whose prompt is shorter than the longest one
+    in the batch starts at column ``offsets[row]`` (kept by the InferenceCache): its token at position
+    ``p`` sits in column ``p + offsets[row]``, and the columns before its start are masked.
     """
 
     k: torch.Tensor  # [B, capacity, Hkv, D]
@@ -53,6 +70,16 @@ class AttentionCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[1]
+
+    def reset(self) -> None:
+        """Empty the cache in place (buffers a CUDA graph captured stay valid)."""
+        self.k.zero_()
+        self.v.zero_()
+        self.positions.fill_(-1)
+
+    def rows(self, n: int) -> "AttentionCache":
+        """A cache over the first ``n`` rows that shares this one's memory (and its positions)."""
+        return AttentionCache(self.k[:n], self.v[:n], self.positions, self.full_attention)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store new keys/values at slots ``position % capacity`` (only the last ``capacity`` fit)."""
@@ -88,14 +115,23 @@ class CausalSelfAttention(nn.Module):
                               full_attention=self.window is None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[AttentionCache] = None) -> torch.Tensor:
-        """x: [B,T,d]; positions: [T] absolute positions (RoPE, cache slots)."""
+                cache: Optional[AttentionCache] = None, packed: Optional["PackedPrompts"] = None) -> torch.Tensor:
+        """x: [B,T,d]; positions: [T] absolute positions (RoPE, cache slots).
+
+        ``packed`` (with ``cu_seqlens`` and an empty ``cache``): the prompts of a batch packed into one
+        row; after attending as separate documents, each prompt's keys/values go to its cache row."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_size
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         cos, sin = rope_tables(positions, D, self.rope_base)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if packed is not None:
+            if cache is None or cu_seqlens is None:
+                raise ValueError("packed prompts need cu_seqlens and a cache to fill")
+            o = sliding_window_attention(q, k, v, self.window, cu_seqlens=cu_seqlens)
+            self._store_packed(cache, k[0], v[0], packed)
+            return self.proj(o.reshape(B, T, H * D))
         if cache is None or (int(positions[0]) == 0 and bool((cache.positions < 0).all())):
             # training, or prefill into an empty cache: the fast kernel over the new tokens alone
             o = sliding_window_attention(q, k, v, self.window, cu_seqlens=cu_seqlens)
@@ -111,3 +147,49 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             cache.append(k, v, positions)
         return self.proj(o.reshape(B, T, H * D))
+
+    @staticmethod
+    def _store_packed(cache: AttentionCache, k: torch.Tensor, v: torch.Tensor, packed: "PackedPrompts") -> None:
+        """Write packed keys/values k, v [total, Hkv, D] to the rows and columns ``packed`` assigns them.
+
+        All prompts end in the same column, so the last ``capacity`` columns are those that stay
+        visible; each of them maps to a distinct ring slot, shared by all rows."""
+        columns = packed.columns
+        if cache.full_attention and packed.num_columns > cache.capacity:
+            raise ValueError(f"full-attention cache holds {cache.capacity} positions; the longest prompt has "
+                             f"{packed.num_columns} tokens (make the cache with a larger max_length)")
+        keep = columns >= packed.num_columns - cache.capacity
+        rows, cols = packed.rows[keep], columns[keep]
+        slots = cols % cache.capacity
+        cache.k[rows, slots] = k[keep].to(cache.k.dtype)
+        cache.v[rows, slots] = v[keep].to(cache.v.dtype)
+        cache.positions[slots] = cols
+
+    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, offsets: torch.Tensor,
+                    cache: AttentionCache) -> torch.Tensor:
+        """One new token per row, with every cache update in place and no host synchronisation, so a
+        CUDA graph can capture it.
+
+        x: [B,1,d]; positions: int64 [B] position of the token in its row (RoPE); column: int64 0-d,
+        the shared column all rows write (ring slot ``column % capacity``); offsets: int64 [B] first
+        column of each row. Returns [B,1,d].
+        """
+        B = x.shape[0]
+        H, Hkv, D = self.n_head, self.n_kv, self.head_size
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D)
+        cos, sin = rope_tables(positions, D, self.rope_base)
+        q, k = apply_rope_per_row(q, cos, sin), apply_rope_per_row(k, cos, sin)
+        slot = torch.remainder(column, cache.capacity).reshape(1)
+        cache.k.index_copy_(1, slot, k.to(cache.k.dtype))
+        cache.v.index_copy_(1, slot, v.to(cache.v.dtype))
+        cache.positions.index_copy_(0, slot, column.reshape(1))
+        kpos = cache.positions[None, :]
+        # every stored column is <= the current one; empty slots hold -1 < any offset
+        visible = kpos >= offsets[:, None]
+        if self.window is not None:
+            visible = visible & (column - kpos < self.window)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), cache.k.to(q.dtype).transpose(1, 2), cache.v.to(q.dtype).transpose(1, 2),
+            attn_mask=visible[:, None, None, :], enable_gqa=Hkv != H)
+        return self.proj(o.transpose(1, 2).reshape(B, 1, H * D))

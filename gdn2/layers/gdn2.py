@@ -31,6 +31,15 @@ class GDN2Cache:
     conv_k: torch.Tensor
     conv_v: torch.Tensor  # [B, conv_size - 1, value_dim]
 
+    def reset(self) -> None:
+        """Back to the empty state, in place (buffers a CUDA graph captured stay valid)."""
+        for t in (self.state, self.conv_q, self.conv_k, self.conv_v):
+            t.zero_()
+
+    def rows(self, n: int) -> "GDN2Cache":
+        """A cache over the first ``n`` rows that shares this one's memory."""
+        return GDN2Cache(self.state[:n], self.conv_q[:n], self.conv_k[:n], self.conv_v[:n])
+
 
 class ShortConv(nn.Conv1d):
     """Causal depthwise convolution followed by SiLU, aware of document starts and decoding tails."""
@@ -60,6 +69,24 @@ class ShortConv(nn.Conv1d):
                 keep = (pos_in_doc >= j).to(x.dtype)[None, :, None]
                 y = y + shifted * keep * weight[:, 0, ks - 1 - j]
         return F.silu(y), new_tail
+
+    def step(self, x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """One token per row: x [B,1,C], tail [B, kernel_size-1, C] updated in place. Returns silu(conv) [B,1,C]."""
+        window = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, ks, C], oldest first
+        y = (window * self.weight[:, 0, :].t().to(x.dtype)).sum(1, keepdim=True)
+        tail.copy_(window[:, 1:])
+        return F.silu(y)
+
+    def packed_tails(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The last kernel_size-1 inputs of each packed sequence, zeros before its start.
+
+        x: [1, total, C] pre-conv inputs; cu_seqlens: [N+1]. Returns [N, kernel_size-1, C]."""
+        ks = self.kernel_size[0]
+        cu = cu_seqlens.long()
+        idx = cu[1:, None] - (ks - 1) + torch.arange(ks - 1, device=x.device)[None, :]  # [N, ks-1]
+        inside = idx >= cu[:-1, None]
+        tails = x[0][idx.clamp_min(0)]
+        return tails * inside[..., None].to(tails.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -131,37 +158,75 @@ class GatedDeltaNet2(nn.Module):
                             dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         return GDN2Cache(state, z(self.key_dim), z(self.key_dim), z(self.value_dim))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[GDN2Cache] = None) -> torch.Tensor:
-        """x: [B,T,d]. ``cu_seqlens`` (B == 1) restarts the state and the conv at each document start;
-        ``pos_in_doc`` [T] is the matching position inside the document. ``cache`` is updated in place."""
-        B, T, _ = x.shape
-        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        tails = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
-        q, tq = self.q_conv1d(self.q_proj(x), pos_in_doc, tails[0])
-        k, tk = self.k_conv1d(self.k_proj(x), pos_in_doc, tails[1])
-        v, tv = self.v_conv1d(self.v_proj(x), pos_in_doc, tails[2])
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decay g (fp32, <= 0), erase gate b (key axis) and write gate w (value axis) for x [B,T,d]."""
         # decay in fp32: g = -exp(A_log) * softplus(f_proj(x) + dt_bias), per key channel, <= 0
-        g = -self.A_log.float().exp().repeat_interleave(K) * F.softplus(self.f_proj(x).float() + self.dt_bias)
+        g = -self.A_log.float().exp().repeat_interleave(self.head_k_dim) * F.softplus(
+            self.f_proj(x).float() + self.dt_bias)
         b = torch.sigmoid(self.b_proj(x))
         if self.allow_neg_eigval:
             b = b * 2.0
         w = torch.sigmoid(self.w_proj(x))
+        return g, b, w
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[GDN2Cache] = None,
+                packed: bool = False) -> torch.Tensor:
+        """x: [B,T,d]. ``cu_seqlens`` (B == 1) restarts the state and the conv at each document start;
+        ``pos_in_doc`` [T] is the matching position inside the document. ``cache`` is updated in place.
+        ``packed=True`` (with ``cu_seqlens`` and an empty ``cache`` of one row per document): each
+        document's final state and conv tails go to its cache row (prefill of several prompts)."""
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        tails = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None and not packed else (None, None, None)
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, tq = self.q_conv1d(xq, pos_in_doc, tails[0])
+        k, tk = self.k_conv1d(xk, pos_in_doc, tails[1])
+        v, tv = self.v_conv1d(xv, pos_in_doc, tails[2])
+        g, b, w = self._gates(x)
         q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
         v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
 
-        if cache is None:
+        if packed:
+            if cache is None or cu_seqlens is None:
+                raise ValueError("packed prompts need cu_seqlens and a cache to fill")
+            o, final = chunk_gdn2(q, k, v, g, b, w, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                  cu_seqlens=cu_seqlens)
+            cache.state.copy_(final)
+            for conv, pre, tail in ((self.q_conv1d, xq, cache.conv_q), (self.k_conv1d, xk, cache.conv_k),
+                                    (self.v_conv1d, xv, cache.conv_v)):
+                tail.copy_(conv.packed_tails(pre, cu_seqlens))
+        elif cache is None:
             o, _ = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens cannot be combined with a decoding cache")
-            cache.conv_q, cache.conv_k, cache.conv_v = tq, tk, tv
+            # in place, so that buffers held elsewhere (a captured decode step) see the update
+            cache.conv_q.copy_(tq)
+            cache.conv_k.copy_(tk)
+            cache.conv_v.copy_(tv)
             if not self.training and T <= self.recurrent_max_len:
                 o, _ = fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=cache.state,
                                             use_qk_l2norm_in_kernel=True, inplace_final_state=True)
             else:
-                o, cache.state = chunk_gdn2(q, k, v, g, b, w, initial_state=cache.state,
-                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+                o, final = chunk_gdn2(q, k, v, g, b, w, initial_state=cache.state,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+                cache.state.copy_(final)
         gate = self.g_proj(x).reshape(B, T, HV, V)
         o = self.o_norm(o, gate).reshape(B, T, self.value_dim)
         return self.o_proj(o)
+
+    def decode_step(self, x: torch.Tensor, cache: GDN2Cache) -> torch.Tensor:
+        """One token per row with the recurrent kernel; state and conv tails updated in place, no host
+        synchronisation (a CUDA graph can capture it). x: [B,1,d] -> [B,1,d]."""
+        B = x.shape[0]
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q = self.q_conv1d.step(self.q_proj(x), cache.conv_q).reshape(B, 1, H, K)
+        k = self.k_conv1d.step(self.k_proj(x), cache.conv_k).reshape(B, 1, H, K)
+        v = self.v_conv1d.step(self.v_proj(x), cache.conv_v).reshape(B, 1, HV, V)
+        g, b, w = self._gates(x)
+        o, _ = fused_recurrent_gdn2(q, k, v, g.reshape(B, 1, H, K), b.reshape(B, 1, H, K), w.reshape(B, 1, HV, V),
+                                    initial_state=cache.state, use_qk_l2norm_in_kernel=True,
+                                    inplace_final_state=True)
+        gate = self.g_proj(x).reshape(B, 1, HV, V)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, 1, self.value_dim))
