@@ -149,18 +149,23 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
     scratch.mkdir()
     try:
         prefix = str(scratch / output.stem)
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_prefix=prefix,
-            vocab_size=vocab_size,
-            character_coverage=character_coverage,
-            max_sentence_length=max_sentence_length,
-            input_sentence_size=0,  # the reservoir above already sampled
-            shuffle_input_sentence=False,
-            num_threads=num_threads or len(os.sched_getaffinity(0)),
-            minloglevel=0 if verbose else 2,
-            **LLAMA2_SETTINGS,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                character_coverage=character_coverage,
+                max_sentence_length=max_sentence_length,
+                input_sentence_size=0,  # the reservoir above already sampled
+                shuffle_input_sentence=False,
+                num_threads=num_threads or len(os.sched_getaffinity(0)),
+                minloglevel=0 if verbose else 2,
+                **LLAMA2_SETTINGS,
+            )
+        except RuntimeError as error:
+            if "required_chars" in str(error) or "Vocabulary size" in str(error):
+                raise ValueError(f"--vocab-size {vocab_size} is too small for this text: {error}") from error
+            raise
         os.replace(prefix + ".vocab", output.with_suffix(".vocab"))
         os.replace(prefix + ".model", output)
     finally:
