@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -39,7 +40,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -574,6 +575,86 @@ def _manifest_complete(output: Path, fingerprint: str) -> dict | None:
     return manifest
 
 
+@dataclass
+class Plan:
+    """Everything that fixes the output bytes: the work units in order, the tokenizer, the settings."""
+
+    units: list[WorkUnit]
+    inputs: list[dict]
+    tokenizer: dict
+    settings: dict
+    fingerprint: str
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        return np.dtype(self.tokenizer["dtype"])
+
+
+def plan_job(inputs: Sequence[str], tokenizer: str | os.PathLike, val_fraction: float = 0.0005,
+             shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text") -> Plan:
+    """Check the arguments, the tokenizer and every input's schema, and cut the inputs into units."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    tokenizer_info = load_tokenizer_info(Path(tokenizer).resolve(), dtype)
+    units: list[WorkUnit] = []
+    input_info = []
+    for path in expand_inputs(inputs):
+        file_units = plan_units(path, text_key)
+        stat = path.stat()
+        input_info.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                           "kind": input_kind(path)[0], "units": len(file_units)})
+        units += file_units
+    settings = {"format_version": FORMAT_VERSION, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+                "dtype": tokenizer_info["dtype"], "text_key": text_key, "bos": False, "eos": True,
+                "jsonl_unit_bytes": JSONL_UNIT_BYTES,
+                "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64"}
+    return Plan(units, input_info, tokenizer_info, settings, _fingerprint(input_info, tokenizer_info, settings))
+
+
+def _open_journal(output: Path, plan: Plan, overwrite: bool) -> dict:
+    """The journal of this job in ``output``: resumed, or new (after checking that the directory
+    holds no other job's shards)."""
+    if overwrite:
+        for path in _our_files(output):
+            path.unlink()
+    journal_path = output / JOURNAL_NAME
+    if journal_path.exists():
+        journal = json.loads(journal_path.read_text())
+        if journal.get("fingerprint") != plan.fingerprint:
+            raise ValueError(
+                f"{journal_path}: an unfinished job with other inputs, tokenizer or settings (inputs changed "
+                "size or mtime?); rerun that job, or use another --output or --overwrite"
+            )
+        return journal
+    leftovers = _our_files(output)
+    if leftovers:
+        raise ValueError(f"{output}: holds shards not made by this job ({leftovers[0].name}, ...); "
+                         "use another --output or --overwrite")
+    journal = {"fingerprint": plan.fingerprint, "units_done": 0, "stats": _empty_stats(),
+               "splits": {split: {"shards": [], "partial_tokens": 0} for split in SPLITS}}
+    # Written before the first shard byte, so that a crash at any point later leaves a journal that
+    # claims the output directory and says how much of it to keep.
+    write_json_atomic(journal_path, journal)
+    return journal
+
+
+def _unit_results(plan: Plan, start: int, tmp_dir: Path, processes: int, stack: contextlib.ExitStack) -> Iterator[dict]:
+    """Counters of units ``start, start + 1, ...`` in order, their tokens waiting in ``tmp_dir``."""
+    tokenizer_path = plan.tokenizer["path"]
+    tasks = ((plan.units[i], str(tmp_dir / f"unit_{i:09d}"), plan.settings["text_key"], plan.settings["val_fraction"],
+              plan.settings["dtype"], plan.tokenizer["eos_id"]) for i in range(start, len(plan.units)))
+    if processes == 1:
+        _init_worker(tokenizer_path)
+        return map(_encode_unit_task, tasks)
+    # spawn, not fork: the parent may hold pyarrow or torch thread pools that fork would break.
+    pool = mp.get_context("spawn").Pool(processes, initializer=_init_worker, initargs=(tokenizer_path,))
+    stack.callback(pool.join)
+    stack.callback(pool.terminate)
+    return _ordered_bounded(pool, tasks, in_flight=2 * processes)
+
+
 def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | os.PathLike, workers: int | None = None,
             val_fraction: float = 0.0005, shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text",
             time_limit: float | None = None, overwrite: bool = False, progress: bool = True) -> dict | None:
@@ -581,153 +662,85 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
 
     Returns the manifest (a dict, also written to ``output/manifest.json``) when the job is
     complete, or None when ``time_limit`` seconds passed first (progress is kept: call again).
+    Worker processes are spawned, so they import the caller's ``__main__`` module: keep heavy
+    imports of a calling script under ``if __name__ == "__main__"``.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     workers = workers or len(os.sched_getaffinity(0))
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    plan = plan_job(inputs, tokenizer, val_fraction, shard_tokens, dtype, text_key)
     output = Path(output)
-    tokenizer_path = Path(tokenizer).resolve()
-    tokenizer_info = load_tokenizer_info(tokenizer_path, dtype)
-    token_dtype = np.dtype(tokenizer_info["dtype"])
-    paths = expand_inputs(inputs)
-    units: list[WorkUnit] = []
-    input_info = []
-    for path in paths:
-        file_units = plan_units(path, text_key)
-        stat = path.stat()
-        input_info.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                           "kind": input_kind(path)[0], "units": len(file_units),
-                           "first_unit": len(units)})
-        units += file_units
-    settings = {"format_version": FORMAT_VERSION, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
-                "dtype": token_dtype.name, "text_key": text_key, "bos": False, "eos": True,
-                "jsonl_unit_bytes": JSONL_UNIT_BYTES,
-                "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64"}
-    fingerprint = _fingerprint(input_info, tokenizer_info, settings)
-
     output.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        for path in _our_files(output):
-            path.unlink()
-    done = _manifest_complete(output, fingerprint)
-    if done is not None:
-        (output / JOURNAL_NAME).unlink(missing_ok=True)  # left by a crash right after the manifest was written
-        if progress:
-            print(f"{output}: already complete ({MANIFEST_NAME} matches these inputs and settings)", file=sys.stderr)
-        return done
-
-    journal_path = output / JOURNAL_NAME
-    if journal_path.exists():
-        journal = json.loads(journal_path.read_text())
-        if journal.get("fingerprint") != fingerprint:
-            raise ValueError(
-                f"{journal_path}: an unfinished job with other inputs, tokenizer or settings (inputs change "
-                "size or mtime?); rerun that job, or use another --output or --overwrite"
-            )
-    else:
-        leftovers = _our_files(output)
-        if leftovers:
-            raise ValueError(f"{output}: holds shards not made by this job ({leftovers[0].name}, ...); "
-                             "use another --output or --overwrite")
-        journal = {"fingerprint": fingerprint, "units_done": 0, "stats": _empty_stats(),
-                   "splits": {split: {"shards": [], "partial_tokens": 0} for split in SPLITS}}
-        # Written before the first shard byte, so that a crash at any point later leaves a journal
-        # that claims the output directory and says how much of it to keep.
-        write_json_atomic(journal_path, journal)
-
-    writers = {split: ShardWriter(output, split, token_dtype, shard_tokens, journal["splits"][split]["shards"],
+    if not overwrite:
+        done = _manifest_complete(output, plan.fingerprint)
+        if done is not None:
+            (output / JOURNAL_NAME).unlink(missing_ok=True)  # left by a crash right after the manifest was written
+            if progress:
+                print(f"{output}: already complete ({MANIFEST_NAME} matches these inputs and settings)",
+                      file=sys.stderr)
+            return done
+    journal = _open_journal(output, plan, overwrite)
+    stats, start = journal["stats"], journal["units_done"]
+    writers = {split: ShardWriter(output, split, plan.token_dtype, shard_tokens, journal["splits"][split]["shards"],
                                   journal["splits"][split]["partial_tokens"]) for split in SPLITS}
+    processes = 1 if len(plan.units) - start <= 1 else min(workers, len(plan.units) - start)
     tmp_dir = output / TMP_DIR_NAME
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir()
-
-    stats = journal["stats"]
-    start_unit = journal["units_done"]
-    total_rows = sum(u.rows for u in units) if all(u.kind == "parquet" for u in units) else None
     bar = None
-    processes = 1 if workers == 1 or len(units) - start_unit <= 1 else workers
     if progress:
         from tqdm import tqdm
 
+        total_rows = sum(u.rows for u in plan.units) if all(u.kind == "parquet" for u in plan.units) else None
         bar = tqdm(total=total_rows, initial=stats["documents_read"], unit="doc", unit_scale=True,
                    dynamic_ncols=True, desc=f"tokenising ({processes} processes)", smoothing=0.05)
     started = time.monotonic()
     tokens_this_run = 0
-    completed = True
-
-    def tasks():
-        for index in range(start_unit, len(units)):
-            yield (units[index], str(tmp_dir / f"unit_{index:09d}"), text_key, val_fraction, token_dtype.name,
-                   tokenizer_info["eos_id"])
-
-    pool = None
-    try:
-        if processes == 1:
-            _init_worker(str(tokenizer_path))
-            results = map(_encode_unit_task, tasks())
-        else:
-            # spawn, not fork: the parent may hold pyarrow or torch thread pools that fork would break.
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),))
-            results = _ordered_bounded(pool, tasks(), in_flight=2 * workers)
-        for index, unit_stats in zip(range(start_unit, len(units)), results):
-            prefix = tmp_dir / f"unit_{index:09d}"
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp_dir, ignore_errors=True)
+        for writer in writers.values():
+            stack.callback(writer.close)
+        if bar is not None:
+            stack.callback(bar.close)
+        for index, unit_stats in enumerate(_unit_results(plan, start, tmp_dir, processes, stack), start=start):
             for split in SPLITS:
-                part = Path(f"{prefix}.{split}")
+                part = tmp_dir / f"unit_{index:09d}.{split}"
                 writers[split].append_file(part)
                 part.unlink()
                 writers[split].sync()
             _add_stats(stats, unit_stats)
             journal["units_done"] = index + 1
-            for split in SPLITS:
-                journal["splits"][split] = {"shards": writers[split].shards,
-                                            "partial_tokens": writers[split].partial_tokens}
-            write_json_atomic(journal_path, journal)
+            journal["splits"] = {split: {"shards": w.shards, "partial_tokens": w.partial_tokens}
+                                 for split, w in writers.items()}
+            write_json_atomic(output / JOURNAL_NAME, journal)
             tokens_this_run += sum(unit_stats["tokens"].values())
             if bar is not None:
                 bar.update(unit_stats["documents_read"])
-                elapsed = max(time.monotonic() - started, 1e-9)
-                bar.set_postfix_str(f"{tokens_this_run / elapsed / 1e6:.2f}M tok/s, "
-                                    f"{stats['tokens']['train'] / 1e9:.3f}B train tokens")
-            if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(units):
-                completed = False
-                break
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        if bar is not None:
-            bar.close()
-        for writer in writers.values():
-            writer.close()
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-    if not completed:
-        print(f"{output}: stopped after {journal['units_done']} of {len(units)} work units (--time-limit); "
-              "rerun the same command to continue", file=sys.stderr)
-        return None
+                rate = tokens_this_run / max(time.monotonic() - started, 1e-9)
+                bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s, {stats['tokens']['train'] / 1e9:.3f}B train tokens")
+            if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(plan.units):
+                print(f"{output}: stopped after {index + 1} of {len(plan.units)} work units (--time-limit); "
+                      "rerun the same command to continue", file=sys.stderr)
+                return None
 
     for writer in writers.values():
         writer.finish()
     manifest = {
         "format": "lit-gpt packed shards: 24-byte header (b'LITPKDS', uint64 version 1, uint8 dtype code, "
                   "uint64 token count), then the tokens",
-        "fingerprint": fingerprint,
-        "inputs": [{k: v for k, v in info.items() if k != "first_unit"} for info in input_info],
-        "work_units": len(units),
-        "tokenizer": tokenizer_info,
-        "settings": settings,
-        "shards": {split: [{"name": shard_name(split, i), "tokens": count}
-                           for i, count in enumerate(writers[split].shards)] for split in SPLITS},
+        "fingerprint": plan.fingerprint,
+        "inputs": plan.inputs,
+        "work_units": len(plan.units),
+        "tokenizer": plan.tokenizer,
+        "settings": plan.settings,
+        "shards": {split: [{"name": shard_name(split, i), "tokens": count} for i, count in enumerate(w.shards)]
+                   for split, w in writers.items()},
         "documents": {"read": stats["documents_read"], "kept": stats["documents_kept"],
                       "skipped": stats["documents_skipped"], "skipped_examples": stats["skipped_examples"]},
         "tokens": stats["tokens"],
     }
     write_json_atomic(output / MANIFEST_NAME, manifest)
-    journal_path.unlink()
+    (output / JOURNAL_NAME).unlink()
     _fsync_dir(output)
     if progress:
         kept = manifest["documents"]["kept"]
