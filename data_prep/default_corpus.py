@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `import data_prep` work f
 
 from data_prep.prepare import prepare
 from data_prep.train_tokenizer import sample_sentences, train_tokenizer
+from gdn2.data.shards import read_header
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
 DEFAULT_MAX_BYTES = 6_000_000
@@ -78,6 +79,22 @@ def write_corpus(path: Path, max_bytes: int) -> dict:
     return {"documents": len(documents), "bytes": sum(len(t.encode()) for _, t in documents)}
 
 
+def _finished_manifest(output: Path) -> dict | None:
+    """The manifest of a finished corpus whose shards are all in place, else None. Checked by
+    content rather than by prepare's input fingerprint, so that a copied directory (new mtimes)
+    still counts as finished."""
+    path = output / "manifest.json"
+    if not path.exists():
+        return None
+    manifest = json.loads(path.read_text())
+    for split in ("train", "val"):
+        for shard in manifest["shards"][split]:
+            shard_path = output / shard["name"]
+            if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
+                return None
+    return manifest
+
+
 def build_default_corpus(output: str | os.PathLike = "data/default", vocab_size: int = DEFAULT_VOCAB_SIZE,
                          max_bytes: int = DEFAULT_MAX_BYTES, workers: int | None = None,
                          val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -89,6 +106,10 @@ def build_default_corpus(output: str | os.PathLike = "data/default", vocab_size:
     tokenizer = output / "tokenizer.model"
     log = (lambda message: print(message, file=sys.stderr)) if progress else (lambda message: None)
 
+    manifest = _finished_manifest(output)
+    if manifest is not None and tokenizer.exists():
+        log(f"{output}: already complete")
+        return manifest
     if not corpus.exists():
         started = time.monotonic()
         info = write_corpus(corpus, max_bytes)

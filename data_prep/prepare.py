@@ -693,7 +693,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
 
         total_rows = sum(u.rows for u in plan.units) if all(u.kind == "parquet" for u in plan.units) else None
         bar = tqdm(total=total_rows, initial=stats["documents_read"], unit="doc", unit_scale=True,
-                   dynamic_ncols=True, desc=f"tokenising ({processes} processes)", smoothing=0.05)
+                   dynamic_ncols=True, desc=f"tokenising ({processes} process{'es' if processes > 1 else ''})", smoothing=0.05)
     started = time.monotonic()
     tokens_this_run = 0
     with contextlib.ExitStack() as stack:
