@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -204,7 +205,7 @@ class _TrainBatches(IterableDataset):
         rows = np.empty((self.micro_batch_size, self.block_size + 1), dtype=np.int64)
         for m in range(self.micro_batch_size):
             source, sample = self.sampler.locate(first + m)
-            rows[m] = _read_samples(self.streams[source], np.array([sample]), self.block_size)[0]
+            rows[m] = self.streams[source].read(sample * self.block_size, self.block_size + 1)
         return _to_batch(rows, self.document_masking, self.eos_id)
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -216,13 +217,17 @@ class _TrainBatches(IterableDataset):
             k += workers
 
 
-def _check_layout(block_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
-    for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size),
-                        ("world_size", world_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+def _as_int(name: str, value, low: int, high: float = float("inf")) -> int:
+    """``value`` as a Python int in ``[low, high)`` (numpy integers welcome), else ValueError naming it."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if not low <= number < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), got {number}")
+    return number
 
 
 class TrainLoader:
@@ -251,14 +256,14 @@ class TrainLoader:
     def __init__(self, sources: Sequence[tuple[str | os.PathLike, float]], block_size: int,
                  micro_batch_size: int, seed: int = 3407, rank: int = 0, world_size: int = 1,
                  num_workers: int = 0, document_masking: bool = False, eos_id: int = 2):
-        _check_layout(block_size, micro_batch_size, rank, world_size)
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+        block_size, micro_batch_size = _as_int("block_size", block_size, 1), _as_int("micro_batch_size", micro_batch_size, 1)
+        world_size = _as_int("world_size", world_size, 1)
+        rank, num_workers = _as_int("rank", rank, 0, world_size), _as_int("num_workers", num_workers, 0)
         if isinstance(sources, (str, os.PathLike)) or not sources:
             raise ValueError(f"sources must be a non-empty list of (path, weight) pairs, got {sources!r}")
         self.block_size = block_size
         self.micro_batch_size = micro_batch_size
-        self.seed = int(seed)
+        self.seed = _as_int("seed", seed, 0)
         self.rank = rank
         self.world_size = world_size
         self.num_workers = num_workers
@@ -364,9 +369,9 @@ class ValLoader:
 
     def __init__(self, source: str | os.PathLike, block_size: int, micro_batch_size: int, num_batches: int,
                  rank: int = 0, world_size: int = 1, eos_id: int = 2, document_masking: bool = False):
-        _check_layout(block_size, micro_batch_size, rank, world_size)
-        if not isinstance(num_batches, int) or num_batches < 1:
-            raise ValueError(f"num_batches must be a positive int, got {num_batches!r}")
+        block_size, micro_batch_size = _as_int("block_size", block_size, 1), _as_int("micro_batch_size", micro_batch_size, 1)
+        world_size = _as_int("world_size", world_size, 1)
+        rank, num_batches = _as_int("rank", rank, 0, world_size), _as_int("num_batches", num_batches, 1)
         self.source = source
         self.block_size = block_size
         self.rank = rank

@@ -185,3 +185,8 @@ def test_too_short_sources_are_clear_errors(tmp_path):
         TrainLoader([(directory, 0.0)], 4, 2)
     with pytest.raises(ValueError, match="rank"):
         TrainLoader([(directory, 1.0)], 4, 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="block_size"):
+        TrainLoader([(directory, 1.0)], 4.0, 2)
+    with pytest.raises(ValueError, match="seed"):
+        TrainLoader([(directory, 1.0)], 4, 2, seed=-1)
+    assert TrainLoader([(directory, 1.0)], np.int64(4), np.int32(2)).block_size == 4  # YAML / numpy ints
