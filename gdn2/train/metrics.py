@@ -1,0 +1,137 @@
+"""Training metrics: the devices' dense bf16 peaks for MFU, TensorBoard and a JSONL log (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+# Dense (no structured sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s per
+# device. First match wins, so more specific names come first. Lightning's own table lists the
+# sparse figures for Hopper, which would halve every MFU.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    (r"\bGH200\b", 989e12),
+    (r"\bH200\b.*\bNVL\b", 835e12),
+    (r"\bH200\b", 989e12),  # SXM
+    (r"\bH100\b.*\bNVL\b", 835e12),
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"\bH800\b.*\bPCIe\b", 756e12),
+    (r"\bH800\b", 989e12),
+    (r"\bH20\b", 148e12),
+    (r"\bGB200\b", 2500e12),
+    (r"\bB200\b", 2250e12),
+    (r"\bB100\b", 1750e12),
+    (r"\bA100\b", 312e12),  # SXM and PCIe
+    (r"\bA800\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10\b", 125e12),
+    (r"\bRTX 4090\b", 165e12),
+    (r"\bMI300X\b", 1307e12),
+]
+
+
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of the device called ``device_name`` (``torch.cuda.get_device_name``),
+    or None when the device is not in :data:`PEAK_BF16_FLOPS`."""
+    for pattern, flops in PEAK_BF16_FLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return flops
+    return None
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_second_per_device: float,
+                            peak_flops: Optional[float]) -> Optional[float]:
+    """Fraction of the device peak the model's training FLOPs reach; None without a known peak."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_second_per_device / peak_flops
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; a null says "not a number" to every reader
+    return value
+
+
+class MetricsLog:
+    """Metrics sinks of one run, active on rank 0 only: ``metrics.jsonl`` and TensorBoard.
+
+    On resume from step ``S``, records after ``S`` (written by the run that crashed after its last
+    checkpoint) are dropped from both sinks, so each step appears once.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
+                 resume_step: Optional[int] = None) -> None:
+        self.enabled = enabled
+        self.jsonl_path: Optional[Path] = None
+        self._file = None
+        self._writer = None
+        if not enabled:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if jsonl:
+            self.jsonl_path = out / "metrics.jsonl"
+            if resume_step is not None and self.jsonl_path.exists():
+                _truncate_jsonl_after(self.jsonl_path, resume_step)
+            elif resume_step is None and self.jsonl_path.exists():
+                self.jsonl_path.unlink()  # a fresh run in a used folder starts a fresh log
+            self._file = open(self.jsonl_path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = resume_step + 1 if resume_step is not None else None
+            self._writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        """Write one record: ``{"kind", "step", **metrics}``; numeric values also go to TensorBoard."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            record = {"kind": kind, "step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+            self._file.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
+                    self._writer.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _truncate_jsonl_after(path: Path, step: int) -> None:
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if record.get("step", 0) <= step:
+                kept.append(json.dumps(record))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl``."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
