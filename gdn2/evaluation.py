@@ -237,7 +237,8 @@ class GDN2LM(TemplateLM):
             logits = self.model(idx.to(self._device))
             for j, i in enumerate(batch):
                 n, c = len(inputs[j]), len(conts[j])
-                logp = F.log_softmax(logits[j, n - c: n].float(), dim=-1)  # [c, V]
+                scored = logits[j, n - c: n]  # [c, V]
+                logp = F.log_softmax(scored.double() if scored.dtype == torch.float64 else scored.float(), dim=-1)
                 target = torch.tensor(conts[j], device=logp.device)
                 score = float(logp.gather(-1, target[:, None]).sum())
                 greedy = bool((logp.argmax(-1) == target).all())

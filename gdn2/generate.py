@@ -506,7 +506,10 @@ def load_model(checkpoint: Union[str, os.PathLike], config: Optional[Union[str, 
     with torch.device("meta"):
         model = GPT(found.config)
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(found.state_dict, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(found.state_dict, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"checkpoint {str(found.path)!r} does not match config {found.config.name!r}: {e}") from e
     if missing or unexpected:
         raise ValueError(f"checkpoint {str(found.path)!r} does not match config {found.config.name!r}: "
                          f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "

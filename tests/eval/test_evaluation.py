@@ -1,0 +1,224 @@
+"""The lm-eval adapter against direct computations from the model's logits, and end-to-end runs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+import gdn2.evaluation  # noqa: F401  registers "gdn2"
+from gdn2.evaluation import GDN2LM, evaluate_model, summarize
+from gdn2.generate import load_model
+from gdn2.model import GPT
+
+from .conftest import MAX_LENGTH, ROOT
+
+
+def _requests(kind, args_list):
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(args_list)]
+
+
+def _direct_logprob(model, ids, n_cont):
+    """Sum of log p of the last n_cont tokens of ids, each from the logits of the position before it."""
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([ids[:-1]]))[0].double(), dim=-1)
+    targets = torch.tensor(ids[1:])
+    picked = logp.gather(-1, targets[:, None])[:, 0][-n_cont:]
+    greedy = bool((logp.argmax(-1) == targets)[-n_cont:].all())
+    return float(picked.sum()), greedy
+
+
+LONG_CONTEXT = " ".join(json.loads(line)["text"] for line in
+                        (ROOT / "eval/tasks/gdn2_local/data/ppl.jsonl").read_text().splitlines()[:2])
+
+
+def test_loglikelihood_equals_sum_of_token_logprobs(lm, artifacts):
+    _, tok, _ = artifacts
+    pairs = [("The river starts as a thin", " stream"), ("A good loaf of bread needs", " only flour, water and salt"),
+             ("", "Bees make honey."), ("Question: Which animal can fly?\nAnswer:", " a sparrow"),
+             (LONG_CONTEXT, " And then it rained."), ("The opposite of hot is ", "cold")]
+    got = lm.loglikelihood(_requests("loglikelihood", pairs))
+    eos = tok.eos_id
+    for (ctx, cont), (score, greedy) in zip(pairs, got):
+        if ctx:
+            # trailing spaces of the context belong to the continuation; EOS marks the document start
+            stripped = ctx.rstrip()
+            cont = ctx[len(stripped):] + cont
+            whole, ctx_ids = tok.encode(stripped + cont), tok.encode(stripped)
+            ids, n_cont = [eos] + whole, len(whole) - len(ctx_ids)
+        else:
+            ids, n_cont = [eos] + tok.encode(cont), len(tok.encode(cont))
+        ids = ids[-(MAX_LENGTH + 1):]  # the long context is cut to the model's window
+        expected, expected_greedy = _direct_logprob(lm.model, ids, n_cont)
+        assert score == pytest.approx(expected, abs=1e-9)
+        assert greedy == expected_greedy
+    assert len(tok.encode(LONG_CONTEXT)) > 2 * MAX_LENGTH
+
+
+def test_loglikelihood_rolling_scores_every_token_once(lm, artifacts, monkeypatch):
+    _, tok, _ = artifacts
+    texts = [LONG_CONTEXT, "Short text.", ""]
+    seen = []
+    real = GDN2LM._loglikelihood_tokens
+
+    def spy(self, requests, **kw):
+        seen.extend(requests)
+        return real(self, requests, **kw)
+
+    monkeypatch.setattr(GDN2LM, "_loglikelihood_tokens", spy)
+    got = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(t,) for t in texts]))
+    tokens = tok.encode(LONG_CONTEXT)
+    assert len(tokens) > 3 * MAX_LENGTH
+    # the windows of the long text: continuations tile its tokens exactly once, in order
+    long_windows = [w for w in seen if w[2] and len(w[2]) + len(w[1]) > 1][: -1]
+    scored = [t for _, _, cont in seen for t in cont]
+    assert len(scored) == len(tokens) + len(tok.encode("Short text."))
+    assert scored[: len(tokens)] == tokens
+    assert all(len(ctx) + len(cont) - 1 <= MAX_LENGTH for _, ctx, cont in seen)
+    assert long_windows
+    # value: each window scored on its own with a plain forward pass
+    expected = 0.0
+    for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(tokens, tok.eos_id, MAX_LENGTH, 1)):
+        expected += _direct_logprob(lm.model, ctx + cont, len(cont))[0]
+    assert got[0] == pytest.approx(expected, abs=1e-9)
+    short = [tok.eos_id] + tok.encode("Short text.")
+    assert got[1] == pytest.approx(_direct_logprob(lm.model, short, len(short) - 1)[0], abs=1e-9)
+    assert got[2] == 0.0
+
+
+def test_rolling_within_max_length_equals_one_forward_pass(artifacts):
+    folder, tok, _ = artifacts
+    long_lm = GDN2LM(checkpoint=str(folder / "model.pt"), dtype="float64", device="cpu", batch_size=2,
+                     max_length=512)
+    (got,) = long_lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(LONG_CONTEXT,)]))
+    ids = [tok.eos_id] + tok.encode(LONG_CONTEXT)
+    assert got == pytest.approx(_direct_logprob(long_lm.model, ids, len(ids) - 1)[0], abs=1e-9)
+
+
+def _greedy_by_full_forward(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_generate_until_is_greedy_and_batching_changes_nothing(lm, artifacts):
+    folder, tok, _ = artifacts
+    contexts = ["The river", "Once upon a time, in a small village by the sea, there lived", "A", "Bees make"]
+    gen_kwargs = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    batched = lm.generate_until(_requests("generate_until", [(c, gen_kwargs) for c in contexts]))
+    for c, text in zip(contexts, batched):
+        ids = _greedy_by_full_forward(lm.model, [tok.eos_id] + tok.encode(c), 6)
+        if tok.eos_id in ids:
+            ids = ids[: ids.index(tok.eos_id)]
+        expected = tok.decode(ids)
+        assert text == expected[: expected.find("\n\n")] if "\n\n" in expected else text == expected
+    single = GDN2LM(checkpoint=str(folder / "model.pt"), dtype="float64", device="cpu", batch_size=1)
+    assert single.generate_until(_requests("generate_until", [(c, gen_kwargs) for c in contexts])) == batched
+
+
+def test_simple_evaluate_runs_local_tasks_offline(artifacts):
+    import lm_eval
+
+    from gdn2.evaluation import make_task_manager
+
+    folder, _, _ = artifacts
+    tasks = ["gdn2_local"]
+    results = lm_eval.simple_evaluate(model="gdn2", model_args=f"checkpoint={folder / 'model.pt'},dtype=float32",
+                                      tasks=tasks, limit=4, batch_size=4, device="cpu", bootstrap_iters=0,
+                                      task_manager=make_task_manager(tasks))
+    summary = summarize(results)
+    for key in ("gdn2_local_mc/acc", "gdn2_local_mc/acc_norm", "gdn2_local_lambada/acc",
+                "gdn2_local_lambada/perplexity", "gdn2_local_ppl/word_perplexity", "gdn2_local_ppl/bits_per_byte",
+                "gdn2_local_gen/exact_match,strip"):
+        assert key in summary and summary[key] == summary[key], key  # present and not NaN
+    assert 1.0 < summary["gdn2_local_ppl/word_perplexity"]
+    assert results["n-samples"]["gdn2_local_mc"]["effective"] == 4
+
+
+def test_eval_run_writes_json_and_markdown(artifacts, tmp_path):
+    import importlib.util
+
+    folder, _, _ = artifacts
+    spec = importlib.util.spec_from_file_location("eval_run", ROOT / "eval" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    out = tmp_path / "out"
+    assert run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "gdn2_local_mc,gdn2_local_ppl",
+                     "--limit", "3", "--batch_size", "4", "--device", "cpu", "--output", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert set(record["summary"]) >= {"gdn2_local_mc/acc", "gdn2_local_ppl/word_perplexity"}
+    assert record["config"]["vocab_size"] == 512 and record["limit"] == 3
+    table = (out / "results.md").read_text()
+    assert "| gdn2_local_mc | acc |" in table and "| gdn2_local_ppl | word_perplexity |" in table
+
+
+def test_summary_average_follows_reference():
+    metrics = {"lambada_openai": {"acc,none": 0.5, "perplexity,none": 10.0},
+               "piqa": {"acc,none": 0.7, "acc_norm,none": 0.1}, "hellaswag": {"acc,none": 0.1, "acc_norm,none": 0.4},
+               "winogrande": {"acc,none": 0.55}, "arc_easy": {"acc,none": 0.6, "acc_norm,none": 0.1},
+               "arc_challenge": {"acc,none": 0.1, "acc_norm,none": 0.3},
+               "openbookqa": {"acc,none": 0.1, "acc_norm,none": 0.35}, "social_iqa": {"acc,none": 0.4},
+               "boolq": {"acc,none": 0.6, "acc_stderr,none": 0.01}}
+    summary = summarize({"results": metrics})
+    assert summary["avg"] == pytest.approx((0.5 + 0.7 + 0.4 + 0.55 + 0.6 + 0.3 + 0.35 + 0.4 + 0.6) / 9)
+    assert "boolq/acc_stderr" not in summary
+    del metrics["boolq"]
+    assert "avg" not in summarize({"results": metrics})
+
+
+def test_evaluate_model_in_process(artifacts):
+    folder, tok, cfg = artifacts
+    model = load_model(folder / "model.pt", device="cpu", dtype="float32").model.train()
+    scores = evaluate_model(model, tok, ["gdn2_local_lambada"], limit=3, batch_size=2)
+    assert set(scores) == {"gdn2_local_lambada/acc", "gdn2_local_lambada/perplexity"}
+    assert model.training  # given back in the mode it came in
+
+
+def test_checkpoint_folder_with_run_config_and_bare_state_dict(artifacts, tmp_path):
+    folder, _, cfg = artifacts
+    run = tmp_path / "run"
+    (run / "step-00100").mkdir(parents=True)
+    state = torch.load(folder / "model.pt", weights_only=True)["model"]
+    torch.save({f"_orig_mod.{k}": v for k, v in state.items()}, run / "step-00100" / "model.pt")
+    import yaml
+
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict(), "train": {"lr": 4e-4}}))
+    shutil.copy(folder / "tokenizer.model", run / "tokenizer.model")
+    loaded = load_model(run / "step-00100", device="cpu")
+    assert loaded.config == cfg and loaded.checkpoint == run / "step-00100" / "model.pt"
+    ref = GPT(cfg)
+    ref.load_state_dict(state)
+    assert torch.equal(loaded.model.lm_head.weight, ref.lm_head.weight)
+
+
+def test_missing_pieces_are_named(artifacts, tmp_path):
+    folder, _, _ = artifacts
+    with pytest.raises(FileNotFoundError, match="checkpoint .*nothing.pt.* does not exist"):
+        GDN2LM(checkpoint=str(tmp_path / "nothing.pt"), device="cpu")
+    # a bare state dict with no config anywhere near it
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    torch.save(torch.load(folder / "model.pt", weights_only=True)["model"], bare / "weights.pt")
+    shutil.copy(folder / "tokenizer.model", bare / "tokenizer.model")
+    with pytest.raises(ValueError, match="config missing"):
+        GDN2LM(checkpoint=str(bare / "weights.pt"), device="cpu")
+    # config inside the file, but no tokenizer beside it
+    lonely = tmp_path / "a" / "b" / "c"
+    lonely.mkdir(parents=True)
+    shutil.copy(folder / "model.pt", lonely / "model.pt")
+    with pytest.raises(FileNotFoundError, match="tokenizer missing"):
+        GDN2LM(checkpoint=str(lonely / "model.pt"), device="cpu")
+    # an explicit tokenizer that does not exist
+    with pytest.raises(FileNotFoundError, match="tokenizer .*absent.model"):
+        GDN2LM(checkpoint=str(folder / "model.pt"), tokenizer=str(tmp_path / "absent.model"), device="cpu")
+    # a config name that does not exist
+    with pytest.raises(ValueError, match="unknown config name"):
+        GDN2LM(checkpoint=str(bare / "weights.pt"), config="no_such_config", device="cpu")
+    # a config that does not match the weights
+    with pytest.raises(ValueError, match="does not match config"):
+        GDN2LM(checkpoint=str(bare / "weights.pt"), config="gdn2_tiny", device="cpu")
