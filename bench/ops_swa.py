@@ -45,14 +45,14 @@ from gdn2.ops.swa import (BwdConfig, FwdConfig, default_configs, sliding_window_
 SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128, W=2048)]
 
 FWD_SWEEP = [
-    FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 4, 3),
-    FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3),
+    FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3),
 ]
 BWD_SWEEP = [
-    BwdConfig(64, 128, 8, 2, True), BwdConfig(64, 64, 4, 2, True), BwdConfig(64, 64, 8, 2, True),
-    BwdConfig(64, 128, 8, 3, True), BwdConfig(64, 128, 8, 2, False, 128, 64, 8, 2),
+    BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 2), BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 2),
+    BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 3), BwdConfig(64, 128, 8, 2, False, 128, 64, 8, 2),
+    BwdConfig(64, 128, 8, 2, True), BwdConfig(64, 128, 8, 2, True, dq_transposed=True),
+    BwdConfig(32, 128, 8, 2, True, dq_transposed=True), BwdConfig(64, 64, 4, 2, True),
 ]
-
 # B, T, H, HKV, window, cu_seqlens
 ACCURACY_CASES = [
     (2, 1000, 4, 2, 256, None),
@@ -62,6 +62,7 @@ ACCURACY_CASES = [
     (1, 1500, 4, 1, 128, [0, 1, 700, 1100, 1500]),
     (1, 4173, 4, 2, 2048, None),
 ]
+SWEEP_ACCURACY_CASE = (1, 4080, 4, 2, 2048, None)
 ACC_D = 128
 DEVICE = "cuda"
 
@@ -69,7 +70,7 @@ DEVICE = "cuda"
 def _smoke_setup():
     """--smoke: the same code path on CPU under the Triton interpreter with tiny shapes and tiles
     (fp32 inputs: the interpreter's bf16 products are wrong), to check the script, not the speed."""
-    global SHAPES, FWD_SWEEP, BWD_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE
+    global SHAPES, FWD_SWEEP, BWD_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE, SWEEP_ACCURACY_CASE
     os.environ["TRITON_INTERPRET"] = "1"
     DEVICE, DTYPE, ACC_D = "cpu", torch.float32, 16
     SHAPES = [dict(B=1, T=70, H=2, D=16, W=20)]
@@ -77,6 +78,7 @@ def _smoke_setup():
     BWD_SWEEP = [BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1)]
     ACCURACY_CASES = [(1, 45, 2, 1, 8, None), (1, 40, 2, 2, 1, None), (1, 30, 2, 1, None, None),
                       (1, 50, 2, 1, 6, [0, 1, 20, 50]), (1, 37, 2, 2, 100, None), (1, 60, 2, 1, 9, None)]
+    SWEEP_ACCURACY_CASE = (1, 60, 2, 1, 9, None)
 
 
 DTYPE = torch.bfloat16
@@ -119,6 +121,15 @@ def ours_grads(q, k, v, do, W, cu, fwd_cfg=None, bwd_cfg=None):
 
 
 def accuracy_case(case, fwd_cfg=None, bwd_cfg=None, seed=0) -> dict:
+    try:
+        return _accuracy_case(case, fwd_cfg, bwd_cfg, seed)
+    except Exception as e:  # reported as a failed check, the run goes on
+        traceback.print_exc()
+        return dict(o=float("inf"), dq=float("inf"), dk=float("inf"), dv=float("inf"), finite=False,
+                    error=f"{e.__class__.__name__}: {str(e)[:300]}")
+
+
+def _accuracy_case(case, fwd_cfg, bwd_cfg, seed) -> dict:
     B, T, H, HKV, W, cu = case
     q, k, v, do = make_inputs(B, T, H, HKV, ACC_D, seed=seed + T)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu else None
@@ -153,6 +164,14 @@ def empty_cache():
 
 
 def bench(fn, rep=200):
+    try:
+        return _bench(fn, rep)
+    except Exception:
+        traceback.print_exc()
+        return float("inf")
+
+
+def _bench(fn, rep):
     if DEVICE != "cuda":
         t0 = time.perf_counter()
         fn()
@@ -190,11 +209,13 @@ def main():
     bwd_sweep = [] if args.no_sweep else [c for c in BWD_SWEEP if c != default_bwd]
 
     # ---- pre-compile in parallel: defaults on every accuracy case, sweep tiles on the bench shape
+    # sweep tiles are checked at T = 4080 (not a multiple of 32 or more, yet the same kernel
+    # specialisation as the benchmark shapes, so nothing extra compiles)
     bench_job = (1, SHAPES[0]["T"], SHAPES[0]["H"], SHAPES[0]["H"], SHAPES[0]["W"], None)
-    acc_job = ACCURACY_CASES[0]
+    sweep_acc_job = SWEEP_ACCURACY_CASE
     jobs = [(None, None, [c]) for c in ACCURACY_CASES] + [(None, None, [bench_job])]
-    jobs += [(f, default_bwd, [bench_job, acc_job]) for f in fwd_sweep]
-    jobs += [(default_fwd, b, [bench_job, acc_job, ACCURACY_CASES[4]]) for b in bwd_sweep]
+    jobs += [(f, default_bwd, [bench_job]) for f in fwd_sweep]
+    jobs += [(default_fwd, b, [bench_job]) for b in bwd_sweep]
     failed = {}
     pool = None
     if args.workers > 0:
@@ -295,17 +316,13 @@ def main():
         print("accuracy", case, {n: f"{e:.2e}" if isinstance(e, float) else e for n, e in errs.items()}, flush=True)
     ok_fwd = [default_fwd] + [c for c in fwd_sweep if str((c, default_bwd)) not in failed]
     ok_bwd = [default_bwd] + [c for c in bwd_sweep if str((default_fwd, c)) not in failed]
-    for cfg in ok_fwd[1:]:
-        errs = accuracy_case(acc_job, cfg, default_bwd, seed=1)
-        res["accuracy"][f"{cfg} {acc_job}"] = errs
+    for fc, bc in [(c, default_bwd) for c in ok_fwd[1:]] + [(default_fwd, c) for c in ok_bwd[1:]]:
+        errs = accuracy_case(sweep_acc_job, fc, bc, seed=1)
+        res["accuracy"][f"{fc} {bc} {sweep_acc_job}"] = errs
         worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
-    for cfg in ok_bwd[1:]:
-        for case in (acc_job, ACCURACY_CASES[4]):
-            errs = accuracy_case(case, default_fwd, cfg, seed=2)
-            res["accuracy"][f"{cfg} {case}"] = errs
-            worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
     res["accuracy_worst_rel_err"] = worst
     res["accuracy_pass"] = bool(worst < 1e-2) and all(e["finite"] for e in res["accuracy"].values())
+    print(f"{time.time() - t_start:.0f} s since start", flush=True)
     print(f"accuracy: worst rel err {worst:.2e} over {len(res['accuracy'])} checks -> "
           f"{'PASS' if res['accuracy_pass'] else 'FAIL'}", flush=True)
     save()

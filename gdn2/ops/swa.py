@@ -55,8 +55,9 @@ class BwdConfig:
     """Tile shapes of the backward.
 
     ``block_n`` keys per dk/dv program, stepping over ``block_m`` queries at a time. With
-    ``atomic_dq`` the same pass adds dq into an fp32 buffer; otherwise a second kernel computes dq
-    with ``dq_block_m`` queries per program stepping over ``dq_block_n`` keys.
+    ``atomic_dq`` the same pass adds dq into an fp32 buffer (``dq_transposed``: computed as
+    k^T ds^T, for small ``block_m``); otherwise a second kernel computes dq with ``dq_block_m``
+    queries per program stepping over ``dq_block_n`` keys.
     """
     block_m: int = 64
     block_n: int = 128
@@ -67,6 +68,7 @@ class BwdConfig:
     dq_block_n: int = 64
     dq_num_warps: int = 8
     dq_num_stages: int = 2
+    dq_transposed: bool = False
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -83,10 +85,12 @@ def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, Bwd
         return (FwdConfig(128, 64, 4, 3),
                 BwdConfig(64, 128, 8, 2, True, 128, 64, 8, 2))
     if head_dim <= 128:
+        # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
+        # the register file; dq then comes from its own kernel
         return (FwdConfig(128, 64, 8, 2),
-                BwdConfig(64, 128, 8, 2, True, 128, 64, 8, 2))
+                BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 2))
     return (FwdConfig(64, 64, 8, 2),
-            BwdConfig(64, 64, 8, 1, True, 64, 64, 8, 1))
+            BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +154,8 @@ def count_query_blocks(k_start, seq_len, window, block_m, block_n) -> int:
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr):
+def _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr,
+                       LATE_FIRST: tl.constexpr):
     """(first token row of the sequence, its length, local start of this program's block)."""
     if IS_VARLEN:
         seq = tl.load(TABLE + 2 * pid)
@@ -165,9 +170,24 @@ def _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN: tl.constexpr
     else:
         bos = b * T
         seq_len = T + 0 * pid
-        # heaviest (latest) blocks first: shortens the tail for causal attention
-        start = (NUM_BLOCKS - 1 - pid) * BLOCK
+        # heaviest blocks first shortens the tail: late query blocks see the most keys, early key
+        # blocks are seen by the most queries
+        if LATE_FIRST:
+            start = (NUM_BLOCKS - 1 - pid) * BLOCK
+        else:
+            start = pid * BLOCK
     return bos, seq_len, start
+
+
+@triton.jit
+def _tile_offsets(rows, stride, offs_d, WIDE: tl.constexpr):
+    # offsets relative to a 64-bit base pointer: 32-bit unless one sequence row spans 2^31 elements
+    # (64-bit per-element offsets cost registers the backward does not have)
+    if WIDE:
+        r = rows.to(tl.int64)
+    else:
+        r = rows
+    return r[:, None] * stride + offs_d[None, :]
 
 
 @triton.jit
@@ -189,10 +209,10 @@ def _load_tile(ptrs, rows, seq_len, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
                   start, end, seq_len, WINDOW, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        off = cols.to(tl.int64)[:, None] * kv_stride + offs_d[None, :]
+        off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
         k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -233,13 +253,13 @@ def _key_bounds(m0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 def _swa_fwd_kernel(Q, K, V, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_scale, NUM_BLOCKS,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, RECORD_VISITS: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // (H // HKV)
-    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -261,13 +281,13 @@ def _swa_fwd_kernel(Q, K, V, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_sc
     visits = 0 * pid
     acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
                                           offs_n, offs_d, mask_d, lo, a, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
     acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
                                           offs_n, offs_d, mask_d, a, b_int, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
+                                          BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
     acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
                                           offs_n, offs_d, mask_d, b_int, hi, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
     row_ok = offs_m < seq_len
     l_safe = tl.where(row_ok, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -315,11 +335,12 @@ def _query_bounds(n0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base, delta_base, q_stride,
                      offs_n, offs_m_tile, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale, scale,
                      BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr):
+                     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+                     PRECISION: tl.constexpr, WIDE: tl.constexpr):
     # transposed space: rows are keys, columns are queries, so dk and dv come out without transposes
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m_tile
-        off = rows.to(tl.int64)[:, None] * q_stride + offs_d[None, :]
+        off = _tile_offsets(rows, q_stride, offs_d, WIDE)
         q = _load_tile(q_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
         do = _load_tile(do_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
         if MASKED:
@@ -339,7 +360,20 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base, d
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-        if ATOMIC_DQ:
+        if ATOMIC_DQ and DQ_TRANSPOSED:
+            # dq^T = k^T ds^T keeps the long key axis as the product's M dimension, which suits
+            # small BLOCK_M (Hopper's warp-group products want M >= 64 per warp group)
+            dq_t = tl.dot(tl.trans(k), ds_t, input_precision=PRECISION) * scale
+            off_t = offs_d[:, None] + rows[None, :] * q_stride
+            if MASKED:
+                tl.atomic_add(dq_base + off_t, dq_t, mask=mask_d[:, None] & (rows < seq_len)[None, :],
+                              sem="relaxed")
+            else:
+                if EVEN_D:
+                    tl.atomic_add(dq_base + off_t, dq_t, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_base + off_t, dq_t, mask=mask_d[:, None], sem="relaxed")
+        elif ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * scale
             if MASKED:
                 if EVEN_D:
@@ -361,13 +395,14 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VIS
                          qk_scale, scale, NUM_BLOCKS,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         ATOMIC_DQ: tl.constexpr, RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr):
+                         ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+                         RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
     group = H // HKV
-    bos, seq_len, n0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_N)
+    bos, seq_len, n0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_N, False)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -394,15 +429,20 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VIS
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
                                           delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           n0, diag_end, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
+                                          DQ_TRANSPOSED, PRECISION, WIDE)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
                                           delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           a, b_int, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, False, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+                                          BLOCK_M, False, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
+                                          DQ_TRANSPOSED, PRECISION, WIDE)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
                                           delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           b_int, q_hi, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ, PRECISION)
+                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
+                                          DQ_TRANSPOSED, PRECISION, WIDE)
+    # offsets recomputed here rather than kept live (in registers) across the loops
+    kv_off = (bos + offs_n).to(tl.int64)[:, None] * kv_stride + hk * D + offs_d[None, :]
     st_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=st_mask)
@@ -414,10 +454,10 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VIS
 def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
                  start, end, seq_len, WINDOW, qk_scale,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        off = cols.to(tl.int64)[:, None] * kv_stride + offs_d[None, :]
+        off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
         k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -437,13 +477,13 @@ def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs
 def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW, qk_scale, scale,
                        NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // (H // HKV)
-    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -465,11 +505,12 @@ def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      lo, a, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                      lo, a, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
     dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      a, b_int, seq_len, WINDOW, qk_scale, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
+                      a, b_int, seq_len, WINDOW, qk_scale, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
     dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      b_int, hi, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                      b_int, hi, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
+    q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
 
@@ -538,6 +579,11 @@ def _launch_geometry(q, cu_seqlens, block):
     return table.shape[0], table.shape[0], table, cu_seqlens
 
 
+def _wide_offsets(T: int, heads: int, block_d: int) -> bool:
+    """Whether one sequence row (plus a tile of overrun) can pass 2^31 elements."""
+    return (T + 256) * heads * block_d >= 2 ** 31
+
+
 def _window_args(window, T):
     # a window covering the whole row is plain causal attention: no window mask needed
     has_window = window is not None and window < T
@@ -575,7 +621,8 @@ def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
         T, H, HKV, w, float(scale) * LOG2E, n_blocks,
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=has_window, IS_VARLEN=cu_seqlens is not None, RECORD_VISITS=visits is not None,
-        PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, max(16, triton.next_power_of_2(D))),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -607,6 +654,7 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                                        BLOCK_D=BLOCK_D, num_warps=4)
     has_window, w = _window_args(window, T)
     precision = _precision(q.dtype)
+    wide = _wide_offsets(T, H, BLOCK_D)
     is_varlen = cu_seqlens is not None
     dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32) if cfg.atomic_dq else q.new_empty(1, dtype=torch.float32)
     grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
@@ -616,8 +664,9 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q, k, v, do, lse, delta, dk, dv, dq_acc, cu, table if table is not None else cu,
         visits if visits is not None else delta, T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks,
         D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
-        IS_VARLEN=is_varlen, ATOMIC_DQ=cfg.atomic_dq, RECORD_VISITS=visits is not None,
-        PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_VARLEN=is_varlen, ATOMIC_DQ=cfg.atomic_dq, DQ_TRANSPOSED=cfg.dq_transposed,
+        RECORD_VISITS=visits is not None,
+        PRECISION=precision, WIDE=wide, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.atomic_dq:
         return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty_like(q)
@@ -626,7 +675,7 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q, k, v, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
         float(scale) * LOG2E, float(scale), n_blocks,
         D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
-        IS_VARLEN=is_varlen, PRECISION=precision, num_warps=cfg.dq_num_warps,
+        IS_VARLEN=is_varlen, PRECISION=precision, WIDE=wide, num_warps=cfg.dq_num_warps,
         num_stages=cfg.dq_num_stages)
     return dq, dk, dv
 

@@ -18,11 +18,13 @@ from gdn2.ops.testing import rel_err
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
-# Small tiles keep the interpreter fast and make T = 37 / 100 span several partial blocks. The two
-# layouts exercise BLOCK_M > BLOCK_N and BLOCK_M < BLOCK_N, and both ways of computing dq.
+# Small tiles keep the interpreter fast and make T = 37 / 100 span several partial blocks. The
+# layouts exercise BLOCK_M > BLOCK_N, BLOCK_M < BLOCK_N and equal tiles, and the three ways of
+# computing dq (separate kernel, atomic adds of dq or of dq^T).
 SMALL = {
     "m32n16_atomic": (FwdConfig(32, 16, 4, 1), BwdConfig(16, 32, 4, 1, True, 32, 16, 4, 1)),
     "m16n32_split": (FwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1, False, 16, 32, 4, 1)),
+    "m32n32_atomic_t": (FwdConfig(32, 32, 4, 1), BwdConfig(16, 32, 4, 1, True, dq_transposed=True)),
 }
 
 
@@ -212,7 +214,7 @@ def test_kernels_visit_only_window_blocks():
     n_k = math.ceil(T / bwd_cfg.block_n)
     visits = torch.full((B * HKV * n_k,), -1, dtype=torch.int32, device=q.device)
     swa_backward(do, q, k, v, o, lse, window, None, None, config=bwd_cfg, visits=visits)
-    starts = [(n_k - 1 - pid) * bwd_cfg.block_n for pid in range(n_k)]
+    starts = [pid * bwd_cfg.block_n for pid in range(n_k)]  # most-seen key block first
     group = H // HKV
     expect = [group * count_query_blocks(n0, T, window, bwd_cfg.block_m, bwd_cfg.block_n) for n0 in starts]
     assert visits.view(B * HKV, n_k).tolist() == [expect] * (B * HKV)
