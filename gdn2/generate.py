@@ -372,17 +372,46 @@ def _config_from_saved(data: Any, where: str) -> Optional[Config]:
     return None
 
 
-def _tokenizer_from_saved(run: dict, base: Path) -> Optional[Path]:
-    """A tokenizer path recorded in a saved run config (``data.tokenizer`` or ``tokenizer``)."""
-    for section in (run.get("data") if isinstance(run.get("data"), dict) else {}, run):
-        value = section.get("tokenizer") or section.get("tokenizer_path")
-        if isinstance(value, str) and value:
-            p = Path(value)
-            for candidate in ([p] if p.is_absolute() else [Path.cwd() / p, base / p]):
-                if candidate.is_dir():
-                    candidate = candidate / TOKENIZER_FILE
-                if candidate.is_file():
-                    return candidate
+def _data_folders(run: dict) -> list[str]:
+    """Folders of the data sources a saved run config names (``data.train`` / ``data.val``)."""
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
+    sources = list(data.get("train") or []) if isinstance(data.get("train"), list) else [data.get("train")]
+    sources.append(data.get("val"))
+    folders = []
+    for src in sources:
+        src = src.get("path") if isinstance(src, dict) else src
+        if isinstance(src, str) and src:
+            # a glob or a shard file names its folder; a folder names itself
+            folders.append(src if not any(c in src for c in "*?[") and not src.endswith(".bin")
+                           else os.path.dirname(src))
+    return folders
+
+
+def _tokenizer_from_saved(run: dict, bases: Sequence[Path]) -> Optional[Path]:
+    """The tokenizer a saved run config leads to: ``data.tokenizer`` / ``tokenizer`` when recorded,
+    else ``tokenizer.model`` in, or the ``manifest.json`` of, each data folder it trained on. Relative
+    paths are tried against each of ``bases``."""
+    import json
+
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
+    named = [v for v in (data.get("tokenizer"), run.get("tokenizer")) if isinstance(v, str) and v]
+    candidates: list[Path] = [Path(v) for v in named]
+    for folder in _data_folders(run):
+        candidates.append(Path(folder) / TOKENIZER_FILE)
+        for base in [Path(folder)] + [b / folder for b in bases]:
+            manifest = base / "manifest.json"
+            if manifest.is_file():
+                try:
+                    recorded = json.loads(manifest.read_text()).get("tokenizer", {})
+                except ValueError:
+                    continue
+                if isinstance(recorded, dict) and recorded.get("path"):
+                    candidates.append(Path(recorded["path"]))
+    for c in candidates:
+        for p in ([c] if c.is_absolute() else [b / c for b in bases]):
+            p = p / TOKENIZER_FILE if p.is_dir() else p
+            if p.is_file():
+                return p
     return None
 
 
@@ -390,12 +419,15 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
                     tokenizer: Optional[Union[str, os.PathLike]] = None) -> FoundCheckpoint:
     """Find and read a checkpoint, its config and its tokenizer.
 
-    ``checkpoint``: a consolidated file (``torch.save`` of ``{"model": state_dict, "config": dict}``;
-    a bare state dict works when the config is found elsewhere) or a folder holding one
-    (``model.pt`` ...) or the trainer's sharded checkpoint. The config comes from ``config`` (a name,
-    YAML path or Config), else the file, else a run config (``config.yaml``) beside the checkpoint or
-    up to two folders above it. The tokenizer comes from ``tokenizer``, else ``tokenizer.model`` in
-    those folders, else the path a run config records under ``data.tokenizer``.
+    ``checkpoint``: a consolidated file (``pretrain/consolidate.py``: ``{"model": state_dict,
+    "config": model config dict, "step", "tokens", "recipe"}``; a bare state dict works when the
+    config is found elsewhere), a training checkpoint folder ``step-<N>`` (its ``model.pt`` when
+    consolidated, else its shards are read through the trainer's ``consolidate_checkpoint``), or a
+    folder of those (the newest complete one). The config comes from ``config`` (a name, YAML path or
+    Config), else the file, else a run config (``config.yaml``) beside the checkpoint or up to two
+    folders above it. The tokenizer comes from ``tokenizer``, else ``tokenizer.model`` in those
+    folders, else the data folders the saved run trained on (their ``tokenizer.model`` or the
+    tokenizer their ``manifest.json`` records).
     """
     import yaml
 
@@ -404,6 +436,8 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     extra: dict = {}
     saved_config = None
+    if path.is_dir() and not any((path / n).is_file() for n in CONSOLIDATED_NAMES):
+        path = _newest_step_folder(path)
     if path.is_dir():
         files = [path / n for n in CONSOLIDATED_NAMES if (path / n).is_file()]
         if files:
@@ -428,6 +462,8 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
     state = _strip_prefixes(state)
 
     runs: list[tuple[Path, dict]] = []
+    if isinstance(extra.get("recipe"), dict):
+        runs.append((path, extra["recipe"]))
     for d in _search_dirs(path):
         for name in RUN_CONFIG_NAMES:
             f = d / name
@@ -460,24 +496,42 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
         candidates = [d / TOKENIZER_FILE for d in _search_dirs(path)]
         tok = next((c for c in candidates if c.is_file()), None)
         if tok is None:
-            tok = next((t for f, data in runs if (t := _tokenizer_from_saved(data, f.parent)) is not None), None)
+            # relative data paths in a run config are relative to where the run was started
+            bases = [Path.cwd(), *_search_dirs(path), Path(__file__).resolve().parent.parent]
+            tok = next((t for _, data in runs if (t := _tokenizer_from_saved(data, bases)) is not None), None)
         if tok is None:
             raise FileNotFoundError(
                 f"checkpoint {str(path)!r}: tokenizer missing: none of {', '.join(map(str, candidates))} exists and "
-                "no run config names one; pass tokenizer=<path to tokenizer.model>")
+                "no saved run config leads to one; pass tokenizer=<path to tokenizer.model>")
     return FoundCheckpoint(path, state, cfg, tok, extra)
 
 
+def _newest_step_folder(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint folder, else its newest complete ``step-<N>`` child."""
+    try:
+        from gdn2.train import checkpoint as train_checkpoint
+    except ImportError:
+        return path
+    if train_checkpoint.is_complete(path):
+        return path
+    found = train_checkpoint.list_checkpoints(path)
+    return found[-1][1] if found else path
+
+
 def _read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], Optional[Any], dict]:
-    """Model weights of a training checkpoint folder, through the trainer's own reader."""
+    """Model weights of a training checkpoint folder, through the trainer's own consolidation."""
     try:
         from gdn2.train import checkpoint as train_checkpoint
     except ImportError as e:
         raise ValueError(f"checkpoint {str(path)!r} is a folder without a consolidated model file "
                          f"({', '.join(CONSOLIDATED_NAMES)}) and the trainer's checkpoint reader is "
                          f"unavailable: {e}") from e
-    state, config, extra = train_checkpoint.load_model_state(path)
-    return state, config, extra
+    if not train_checkpoint.is_complete(path):
+        raise ValueError(f"checkpoint {str(path)!r}: neither a consolidated model file "
+                         f"({', '.join(CONSOLIDATED_NAMES)}) nor a complete training checkpoint (step-<N> with "
+                         f"its {train_checkpoint.MARKER} marker) nor a folder of those")
+    blob = train_checkpoint.consolidate_checkpoint(path)
+    return blob["model"], blob["config"], {k: v for k, v in blob.items() if k not in ("model", "config")}
 
 
 @dataclass

@@ -222,3 +222,34 @@ def test_missing_pieces_are_named(artifacts, tmp_path):
     # a config that does not match the weights
     with pytest.raises(ValueError, match="does not match config"):
         GDN2LM(checkpoint=str(bare / "weights.pt"), config="gdn2_tiny", device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_training_checkpoint_folder_and_tokenizer_from_its_data(artifacts, tmp_path, monkeypatch, layout):
+    """A trainer's step-<N> folder (state + config.yaml + COMPLETE): weights through the trainer's
+    consolidation, config from config.yaml, tokenizer from the data folder the run trained on."""
+    import yaml
+
+    folder, tok, cfg = artifacts
+    state = torch.load(folder / "model.pt", weights_only=True)["model"]
+    data = tmp_path / "data" / "corpus"
+    data.mkdir(parents=True)
+    shutil.copy(folder / "tokenizer.model", data / "tokenizer.model")
+    step = tmp_path / "run" / "checkpoints" / "step-000000020"
+    step.mkdir(parents=True)
+    if layout == "full":
+        torch.save({"model": {f"_forward_module.{k}": v for k, v in state.items()}, "trainer": {"step": 20}},
+                   step / "state")
+    else:
+        from torch.distributed.checkpoint import FileSystemWriter, save
+
+        save({"model": dict(state)}, storage_writer=FileSystemWriter(str(step / "state")), no_dist=True)
+    (step / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict(), "data": {"train": ["data/corpus"]}}))
+    (step / "COMPLETE").write_text(json.dumps({"step": 20, "world_size": 1, "tokens": 1000}))
+    monkeypatch.chdir(tmp_path)  # data paths in a run config are relative to where the run started
+    # the run's checkpoint folder: its newest complete step is picked
+    lm = GDN2LM(checkpoint=str(step.parent), device="cpu", dtype="float64")
+    assert lm.tokenizer.path.resolve() == (data / "tokenizer.model").resolve()
+    assert lm.config == cfg
+    for name, tensor in state.items():
+        assert torch.equal(lm.model.state_dict()[name], tensor.double()), name
