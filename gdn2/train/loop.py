@@ -433,7 +433,7 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             out = train_step(fabric, model, optimizer, batches, plan, lr, recipe.train.grad_clip,
                              recipe.train.loss_chunk_tokens, want_requeue=signals.requeue_wanted,
                              want_stop=signals.received == "SIGINT" or out_of_time,
-                             inject_nan=state.step in nan_steps)
+                             inject_nan=state.step + 1 in nan_steps)
             last_step_time = time.perf_counter() - t0
             state.step += 1
             state.tokens += plan.tokens_per_step
@@ -483,7 +483,9 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             e, c = recipe.eval, recipe.checkpoint
             if e.interval and state.step % e.interval == 0 and (state.step < plan.max_steps or not e.at_end):
                 last_val = validate()
-            periodic = c.interval and state.step % c.interval == 0 and (state.step < plan.max_steps or not c.at_end)
+            # no periodic checkpoint inside a run of skipped steps: it would rotate out older good ones
+            periodic = (c.interval and state.step % c.interval == 0 and state.consecutive_nonfinite == 0
+                        and (state.step < plan.max_steps or not c.at_end))
             if out.requeue_votes > 0 or out.stop_votes > 0:
                 # every rank sees the same votes, so every rank saves and stops here
                 if out.requeue_votes > 0:

@@ -24,7 +24,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            x = logits[start:end].float()
+            x = logits[start:end].to(torch.float32, copy=True)  # a copy: modified in place below
             y = labels[start:end]
             ok = valid[start:end]
             target = torch.where(ok, y, 0)

@@ -122,8 +122,8 @@ class DistributedConfig:
 
 @dataclass
 class DebugConfig:
-    nonfinite_loss_at_steps: list[int] = _opt([], "make the loss NaN at these optimizer steps (tests the "
-                                                  "skip path)")
+    nonfinite_loss_at_steps: list[int] = _opt([], "make the loss NaN at these optimizer steps (1 = the first; "
+                                                  "tests the skip path)")
     crash_in_checkpoint_at_step: Optional[int] = _opt(None, "kill the process midway through writing this "
                                                             "step's checkpoint (tests atomic saves)")
 

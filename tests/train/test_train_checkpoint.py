@@ -1,0 +1,131 @@
+"""Atomic checkpoints with real Fabric on CPU, --resume resolution, pruning, consolidation formats."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from gdn2.config import Config
+from gdn2.model import GPT
+from gdn2.train.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
+                                   prune_checkpoints, resolve_resume, save_checkpoint)
+from train_helpers import MICRO_MODEL
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def make_fabric_model():
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = GPT(Config(**MICRO_MODEL))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer
+
+
+def train_a_step(model, optimizer):
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save(fabric, model, optimizer, root, step, **kw):
+    return save_checkpoint(fabric, root, step, {"model": model, "optimizer": optimizer, "trainer": {"step": step}},
+                           rank_state={"data": {"n": step}}, config_yaml="model: {}\n", info={"tokens": step * 10},
+                           keep_last=kw.pop("keep_last", 3), **kw)
+
+
+def test_save_load_roundtrip_and_resume_resolution(tmp_path):
+    fabric, model, optimizer = make_fabric_model()
+    root = tmp_path / "ckpt"
+    assert resolve_resume("auto", root) is None
+    train_a_step(model, optimizer)
+    first = save(fabric, model, optimizer, root, 1)
+    train_a_step(model, optimizer)
+    second = save(fabric, model, optimizer, root, 2)
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2]
+    assert resolve_resume("auto", root) == second
+    assert resolve_resume(str(root), root) == second
+    assert resolve_resume(str(first), root) == first
+    marker = json.loads((second / MARKER).read_text())
+    assert marker["step"] == 2 and marker["tokens"] == 20 and marker["world_size"] == 1
+
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    train_a_step(model, optimizer)  # move away, then restore
+    trainer, extras = load_checkpoint(fabric, second, model, optimizer)
+    assert trainer == {"step": 2} and extras == {"data": {"n": 2}}
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=0)
+
+
+def test_crash_inside_save_keeps_the_previous_checkpoint(tmp_path):
+    fabric, model, optimizer = make_fabric_model()
+    root = tmp_path / "ckpt"
+    good = save(fabric, model, optimizer, root, 5)
+
+    def crash():
+        raise Boom("disk went away")
+
+    with pytest.raises(Boom):
+        save(fabric, model, optimizer, root, 10, before_commit=crash)
+    assert (root / ".step-000000010.tmp").is_dir()  # the half-written one stays under its temporary name
+    assert resolve_resume("auto", root) == good
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume(str(tmp_path), root)
+    # a later save of the same step replaces the leftovers, and pruning removes stale temporaries
+    save(fabric, model, optimizer, root, 10)
+    assert resolve_resume("auto", root).name == "step-000000010"
+    assert not (root / ".step-000000010.tmp").exists()
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    fabric, model, optimizer = make_fabric_model()
+    root = tmp_path / "ckpt"
+    path = save(fabric, model, optimizer, root, 3)
+    (path / MARKER).unlink()
+    assert resolve_resume("auto", root) is None
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        resolve_resume(str(path), root)
+
+
+def test_keep_last(tmp_path):
+    fabric, model, optimizer = make_fabric_model()
+    root = tmp_path / "ckpt"
+    for step in range(1, 6):
+        save(fabric, model, optimizer, root, step, keep_last=2)
+    assert [s for s, _ in list_checkpoints(root)] == [4, 5]
+    assert prune_checkpoints(root, 1) == [root / "step-000000004"]
+
+
+def test_consolidate_full_and_sharded_formats(tmp_path):
+    """The single-file format (one device) and the torch.distributed.checkpoint folder FSDP writes."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    fabric, model, optimizer = make_fabric_model()
+    train_a_step(model, optimizer)
+    root = tmp_path / "ckpt"
+    path = save(fabric, model, optimizer, root, 7)
+    (path / "config.yaml").write_text(yaml.safe_dump({"model": Config(**MICRO_MODEL).to_dict()}))
+    full = consolidate_checkpoint(path)
+    assert full["step"] == 7 and full["tokens"] == 70 and full["config"]["n_layer"] == 2
+
+    # the layout FSDP's sharded save produces: one DCP folder with "model.*" and "optimizer.*" entries
+    sharded = tmp_path / "sharded" / "step-000000007"
+    sharded.mkdir(parents=True)
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optimizer": {"state": {"0": {"exp_avg": torch.ones(3)}}}}
+    dcp_save(state, checkpoint_id=sharded / "state", no_dist=True)
+    for name in ("config.yaml", MARKER):
+        (sharded / name).write_text((path / name).read_text())
+    from_dcp = consolidate_checkpoint(sharded)
+
+    for d in (full, from_dcp):
+        restored = GPT(Config.from_dict(d["config"]))
+        restored.load_state_dict(d["model"])
+        idx = torch.randint(0, 256, (1, 20))
+        torch.testing.assert_close(restored(idx), model(idx), rtol=0, atol=0)

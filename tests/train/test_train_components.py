@@ -1,0 +1,104 @@
+"""Schedule, optimizer groups, fp32 chunked cross-entropy, MFU peaks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn2.config import Config
+from gdn2.model import GPT
+from gdn2.train.loss import cross_entropy_fp32
+from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
+from gdn2.train.optimizer import build_optimizer, clean_parameter_name, no_weight_decay_names, parameter_groups
+from gdn2.train.recipe import OptimizerConfig
+from gdn2.train.schedule import cosine_with_warmup
+
+from train_helpers import MICRO_MODEL
+
+
+def test_cosine_with_warmup_shape():
+    lr = lambda s: cosine_with_warmup(s, max_lr=4e-4, warmup_steps=10, total_steps=110, min_lr=4e-5)  # noqa: E731
+    assert lr(0) == pytest.approx(4e-5)
+    assert lr(9) == pytest.approx(4e-4)  # warmup ends at the peak
+    assert lr(10) == pytest.approx(4e-4)
+    assert lr(60) == pytest.approx((4e-4 + 4e-5) / 2)  # half way down the cosine
+    assert lr(110) == pytest.approx(4e-5) and lr(500) == pytest.approx(4e-5)
+    values = [lr(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert cosine_with_warmup(0, 1.0, 0, 10, 0.0) == 1.0
+    with pytest.raises(ValueError, match="warmup_steps"):
+        cosine_with_warmup(0, 1.0, 11, 10, 0.0)
+
+
+def test_no_decay_on_gates_norms_and_biases():
+    model = GPT(Config(**MICRO_MODEL))
+    exempt = no_weight_decay_names(model)
+    names = dict(model.named_parameters())
+    assert any(n.endswith("A_log") for n in exempt) and any(n.endswith("dt_bias") for n in exempt)
+    assert any("norm" in n for n in exempt) and any(n.endswith(".bias") for n in exempt)
+    for n in exempt:
+        assert names[n].ndim < 2 or getattr(names[n], "_no_weight_decay", False)
+    assert "transformer.wte.weight" not in exempt and "lm_head.weight" not in exempt
+
+    opt = build_optimizer(model, exempt, OptimizerConfig(weight_decay=0.1), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in no_decay["params"]} == {id(names[n]) for n in exempt}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+    # the reference's behaviour: the same groups, decay everywhere
+    opt = build_optimizer(model, exempt, OptimizerConfig(weight_decay=0.1, decay_all=True), "cpu")
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1]
+
+
+def test_wrapped_names_map_back():
+    assert clean_parameter_name("_forward_module._fsdp_wrapped_module.transformer.h.0._fsdp_wrapped_module."
+                                "_checkpoint_wrapped_module.mixer.A_log") == "transformer.h.0.mixer.A_log"
+    assert clean_parameter_name("module.lm_head.weight") == "lm_head.weight"
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="not found"):
+        parameter_groups([("a", p)], {"b"}, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_matches_torch(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 37, 101) * 4).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 101, (3, 37))
+    labels[0, :5] = -100  # ignored positions
+    ours = cross_entropy_fp32(logits, labels, chunk_tokens=16)
+    ours.backward()
+    ref_logits = logits.detach().float().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits.reshape(-1, 101), labels.reshape(-1), ignore_index=-100)
+    ref.backward()
+    assert ours.dtype == torch.float32
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, atol=tol * ref_logits.grad.abs().max(), rtol=0)
+    with torch.no_grad():
+        assert cross_entropy_fp32(logits, labels).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_chunked_cross_entropy_scales_with_upstream_gradient():
+    logits = torch.randn(10, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (10,))
+    (cross_entropy_fp32(logits, labels, chunk_tokens=3) * 2.5).backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    (F.cross_entropy(ref, labels) * 2.5).backward()
+    torch.testing.assert_close(logits.grad, ref.grad)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA H20", 148e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA A10G", None), ("Tesla V100-SXM2-32GB", None),
+])
+def test_peak_flops_table(name, peak):
+    assert peak_bf16_flops(name) == peak
+
+
+def test_mfu():
+    assert model_flops_utilization(9e9, 38_000, 989e12) == pytest.approx(9e9 * 38_000 / 989e12)
+    assert model_flops_utilization(9e9, 38_000, None) is None
+    assert math.isclose(model_flops_utilization(1e12, 989, 989e12), 1.0)

@@ -1,0 +1,191 @@
+"""The trainer end to end on CPU with real Fabric: the CLI trains and the loss falls; exact resume;
+crash in the middle of a save; SLURM signal -> save -> requeue -> resume; non-finite loss skipping;
+wall-clock budget; refusals (other model, used folder)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gdn2.config import Config
+from gdn2.model import GPT
+from gdn2.train.checkpoint import list_checkpoints, read_marker
+from gdn2.train.loop import NonFiniteLossError, fit
+from gdn2.train.metrics import read_jsonl
+from gdn2.train.recipe import load_recipe
+from train_helpers import ROOT, micro_config, run_main
+
+sys.path.insert(0, str(ROOT / "pretrain"))
+import consolidate  # noqa: E402
+
+
+def train_losses(out_dir):
+    return {r["step"]: r["loss"] for r in read_jsonl(out_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def run_fit(cfg, out_dir, resume=None, **overrides):
+    recipe = load_recipe(str(cfg), {k: str(v) for k, v in overrides.items()}, out_dir=str(out_dir))
+    return fit(recipe, resume=resume)
+
+
+def test_cli_trains_and_the_loss_falls(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=24, warmup_steps=2),
+                       eval=dict(interval=12, at_end=True), checkpoint=dict(interval=12),
+                       logging=dict(tensorboard=True))
+    out = tmp_path / "run"
+    proc = run_main(["--config", str(cfg), "--out_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, 25))
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (22, 23, 24)) / 3
+    assert last < first - 0.8, (first, last)
+    records = read_jsonl(out / "metrics.jsonl")
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [12, 24]
+    assert val[-1]["val/loss_64"] < val[0]["val/loss_64"] and "val/loss_128" in val[-1]  # 1x and 2x lengths
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(r["tokens_per_sec_per_device"] > 0 and r["lr"] > 0 for r in train)
+    assert train[-1]["tokens"] == 24 * 4 * 64
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert load_recipe(str(out / "config.yaml")).train.max_steps == 24  # the resolved config is usable
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [12, 24]
+
+    # consolidation: one model.pt that evaluation can load
+    assert consolidate.main([str(out / "checkpoints"), "--output", str(tmp_path / "model.pt")]) == 0
+    d = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert d["step"] == 24
+    model = GPT(Config.from_dict(d["config"]))
+    model.load_state_dict(d["model"])
+
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    """2N steps in one go == N steps, stop, resume, N more: same losses, same data, same weights."""
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6, warmup_steps=2))
+    whole = run_fit(cfg, tmp_path / "whole")
+    assert whole.stop_reason == "finished" and whole.step == 6
+    first = run_fit(cfg, tmp_path / "split", **{"train.stop_at_step": 3})
+    assert first.stop_reason == "stop_at_step" and first.step == 3
+    second = run_fit(cfg, tmp_path / "split", resume="auto")
+    assert second.step == 6
+    a, b = train_losses(tmp_path / "whole"), train_losses(tmp_path / "split")
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    wa = torch.load(whole.checkpoint / "state", weights_only=False)
+    wb = torch.load(second.checkpoint / "state", weights_only=False)
+    for k, v in wa["model"].items():
+        torch.testing.assert_close(wb["model"][k], v, rtol=1e-6, atol=1e-7)
+    ra = torch.load(whole.checkpoint / "ranks" / "rank-00000.pt", weights_only=False)
+    rb = torch.load(second.checkpoint / "ranks" / "rank-00000.pt", weights_only=False)
+    assert ra["data"] == rb["data"] and ra["data"]["batches_consumed"] == 6 * 2
+
+    # resuming with another model is refused before any work; a changed training knob is allowed
+    with pytest.raises(ValueError, match="model config differs.*model.n_layer"):
+        run_fit(cfg, tmp_path / "split", resume="auto", **{"model.n_layer": 3})
+    longer = run_fit(cfg, tmp_path / "split", resume="auto", **{"train.max_steps": 7})
+    assert longer.step == 7
+    # a fresh start must not mix with an earlier run's checkpoints
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        run_fit(cfg, tmp_path / "split")
+
+
+def test_crash_mid_save_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6), checkpoint=dict(interval=2))
+    out = tmp_path / "run"
+    proc = run_main(["--config", str(cfg), "--out_dir", str(out), "--debug.crash_in_checkpoint_at_step", "4"])
+    assert proc.returncode == 17, proc.stderr[-3000:]  # killed inside the save of step 4
+    ckpts = out / "checkpoints"
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2]
+    assert (ckpts / ".step-000000004.tmp" / "state").exists()  # the model was written, the marker not
+    assert not (ckpts / "step-000000004").exists()
+    result = run_fit(cfg, out, resume="auto")
+    assert result.step == 6
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, 7))  # steps 3-4 of the crashed run were replaced
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2, 4, 6]
+    assert not list(ckpts.glob(".step-*"))
+
+
+def test_slurm_signal_saves_requeues_and_resumes(corpus, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol_args"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "pretrain",
+           "SLURM_NTASKS": "1", "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "PYTHONUNBUFFERED": "1"}
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=500))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", str(cfg), "--out_dir",
+                             str(out), "--resume", "auto"], cwd=ROOT, env=dict(os.environ, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # wait until training runs, then send SLURM's warning signal
+            lines.append(line)
+            if "step 2/500" in line:
+                proc.send_signal(signal.SIGUSR1)
+                break
+        lines.extend(proc.stdout)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert rc == 0, log[-3000:]
+    saved = list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1
+    step = saved[0][0]
+    assert 2 <= step < 500
+    assert record.read_text().split() == ["requeue", "777"]
+    assert "job requeued" in log
+    # the requeued job: --resume auto picks the checkpoint up
+    result = run_fit(cfg, out, resume="auto", **{"train.max_steps": step + 2})
+    assert result.step == step + 2
+    assert sorted(train_losses(out)) == list(range(1, step + 3))
+
+
+def test_nonfinite_loss_skips_the_step(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=5), checkpoint=dict(interval=1, keep_last=10),
+                       debug=dict(nonfinite_loss_at_steps=[3]))
+    assert run_fit(cfg, tmp_path / "run", **{"train.stop_at_step": 3}).step == 3  # a stop saves right after it
+    result = run_fit(cfg, tmp_path / "run", resume="auto")
+    assert result.step == 5
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    skips = [r for r in records if r["kind"] == "skip"]
+    assert [r["step"] for r in skips] == [3] and skips[0]["loss"] is None  # NaN is written as null
+    assert [r["skipped_steps"] for r in records if r["kind"] == "train"] == [0, 0, 1, 1, 1]
+    ckpts = dict(list_checkpoints(tmp_path / "run" / "checkpoints"))
+    s2 = torch.load(ckpts[2] / "state", weights_only=False)
+    s3 = torch.load(ckpts[3] / "state", weights_only=False)
+    s4 = torch.load(ckpts[4] / "state", weights_only=False)
+    for k in s2["model"]:  # the skipped step changed neither weights nor optimizer moments
+        assert torch.equal(s2["model"][k], s3["model"][k]), k
+    for i, st in s2["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg"], s3["optimizer"]["state"][i]["exp_avg"])
+    assert any(not torch.equal(s3["model"][k], s4["model"][k]) for k in s3["model"])  # training went on
+    assert all(torch.isfinite(v).all() for v in s4["model"].values())
+    assert s4["trainer"]["skipped_steps"] == 1
+
+
+def test_too_many_nonfinite_steps_stop_with_a_clear_error(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=8, max_consecutive_nonfinite=2),
+                       checkpoint=dict(interval=2), debug=dict(nonfinite_loss_at_steps=[3, 4, 5, 6]))
+    with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*step-000000002"):
+        run_fit(cfg, tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]  # the last good one
+
+
+def test_wall_clock_budget_saves_and_exits(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=1000, max_wall_time="4"))
+    started = time.time()
+    result = run_fit(cfg, tmp_path / "run")
+    assert result.stop_reason == "wall_time" and 1 <= result.step < 1000
+    assert time.time() - started < 60
+    assert read_marker(result.checkpoint)["step"] == result.step
