@@ -135,6 +135,23 @@ def is_fsdp(fabric) -> bool:
     return isinstance(fabric.strategy, FSDPStrategy)
 
 
+def build_model_and_optimizer(fabric, recipe: Recipe):
+    """(model, optimizer, parameter count) set up by Fabric. Under FSDP the model is built on the meta
+    device and each rank materialises its own shards through the modules' ``reset_parameters``."""
+    fabric.seed_everything(recipe.train.seed, verbose=False)
+    with fabric.init_module(empty_init=is_fsdp(fabric)):
+        model = GPT(recipe.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    no_decay = no_weight_decay_names(model)  # decided on the bare model: FSDP loses shapes and attributes
+    if recipe.train.activation_checkpointing and not is_fsdp(fabric):  # FSDP applies its own policy
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, no_decay, recipe.optimizer, fabric.device.type))
+    return model, optimizer, num_params
+
+
 # --------------------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------------------
@@ -293,6 +310,13 @@ def check_resume_compatible(recipe: Recipe, checkpoint: Path, world_size: int) -
 # the run
 # --------------------------------------------------------------------------------------------------
 
+def _format_seconds(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
@@ -325,19 +349,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             prepare_default_corpus(recipe)
     fabric.barrier()
 
-    # model: on the meta device under FSDP (each rank materialises its shards via reset_parameters)
-    fabric.seed_everything(recipe.train.seed, verbose=False)
-    with fabric.init_module(empty_init=is_fsdp(fabric)):
-        model = GPT(recipe.model)
-    num_params = sum(p.numel() for p in model.parameters())
-    no_decay = no_weight_decay_names(model)
-    if recipe.train.activation_checkpointing and not is_fsdp(fabric):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    model = fabric.setup_module(model)
+    model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
     device_type = fabric.device.type
-    optimizer = fabric.setup_optimizers(build_optimizer(model, no_decay, recipe.optimizer, device_type))
 
     sources = [(s.path, s.weight) for s in recipe.train_sources()]
     train_loader = TrainLoader(sources, plan.block_size, plan.micro_batch_size, seed=recipe.train.seed,
@@ -413,8 +426,10 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=plan.max_steps, initial=state.step, disable=not (rank0 and recipe.logging.progress_bar),
-               unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    # a bar on a terminal; in a log file (SLURM) one line per logging interval instead
+    bar = tqdm(total=plan.max_steps, initial=state.step, unit="step", dynamic_ncols=True,
+               disable=not (rank0 and recipe.logging.progress_bar and sys.stderr.isatty()))
+    loop_started, first_step = time.time(), state.step
     batches = iter(train_loader)
     nan_steps = set(recipe.debug.nonfinite_loss_at_steps)
     window = {"loss": 0.0, "n": 0, "time": 0.0, "tokens": 0}
@@ -474,10 +489,12 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(fabric.device) / 2**30
                 metrics.log(state.step, record)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
-                if rank0 and (bar.disable or not sys.stderr.isatty()):  # a log file gets a line per interval
-                    log.info("step %d/%d loss %.4f lr %.3e grad norm %.3f %s tokens/s/device%s", state.step,
+                if rank0 and bar.disable:
+                    per_step = (time.time() - loop_started) / (state.step - first_step)
+                    log.info("step %d/%d loss %.4f lr %.3e grad norm %.3f %s tokens/s/device%s, ETA %s", state.step,
                              plan.max_steps, loss, lr, out.grad_norm, f"{tps:,.0f}",
-                             f" MFU {mfu:.1%}" if mfu is not None else "")
+                             f" MFU {mfu:.1%}" if mfu is not None else "",
+                             _format_seconds(per_step * (plan.max_steps - state.step)))
                 window = {"loss": 0.0, "n": 0, "time": 0.0, "tokens": 0}
 
             e, c = recipe.eval, recipe.checkpoint
