@@ -6,20 +6,21 @@ lit-gpt naming: ``transformer.wte``, ``transformer.h``, ``transformer.ln_f``, ``
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gdn2.config import Config
-from gdn2.layers.attention import AttentionCache, CausalSelfAttention
+from gdn2.layers.attention import AttentionCache, CausalSelfAttention, rope_tables
+from gdn2.layers.decoding import DecodeContext
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
 from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.packed import PackedPrompts
 
-__all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "PackedPrompts", "flops_per_token",
-           "positions_in_documents"]
+__all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "PackedPrompts", "block_decode_step",
+           "flops_per_token", "positions_in_documents"]
 
 
 class MLP(nn.Module):
@@ -60,14 +61,10 @@ class Block(nn.Module):
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
-    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, offsets: torch.Tensor,
-                    cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
+    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
         """x: [B,1,d] -> [B,1,d]; see :meth:`GPT.decode_step`."""
         h = self.norm_1(x)
-        if self.kind == "gdn2":
-            h = self.mixer.decode_step(h, cache)
-        else:
-            h = self.mixer.decode_step(h, positions, column, offsets, cache)
+        h = self.mixer.decode_step(h, cache) if self.kind == "gdn2" else self.mixer.decode_step(h, ctx, cache)
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
@@ -121,6 +118,13 @@ class InferenceCache:
 
     def full_attention(self) -> bool:
         return any(isinstance(c, AttentionCache) and c.full_attention for c in self.layers)
+
+
+def block_decode_step(block: Block, x: torch.Tensor, ctx: DecodeContext,
+                      cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
+    """``block.decode_step(x, ctx, cache)`` as a free function: compiling it once serves every block
+    of a kind (torch.compile treats the module as an input, not as a constant)."""
+    return block.decode_step(x, ctx, cache)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -208,21 +212,42 @@ class GPT(nn.Module):
         cache.ragged = min(int(p.numel()) for p in prompts) != packed.num_columns
         return logits
 
-    def decode_step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, cache: InferenceCache,
+                    block_step: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
         """One token per row: tokens int64 [B] -> logits [B, vocab_size].
 
         Every cache update happens in place and nothing waits for the host, so a CUDA graph can
         capture this call and replay it. The token goes to column ``cache.column`` (advanced here on
         the device); ``cache.seen``, a host-side count, is left to the caller, since a replayed graph
         cannot update it. The caller also checks that a full-attention cache has room.
+        ``block_step(block, x, ctx, layer_cache)``, when given, runs each block instead of
+        ``Block.decode_step`` (e.g. a ``torch.compile``'d :func:`block_decode_step`).
         """
         x = self.transformer.wte(tokens)[:, None]
-        positions = cache.column - cache.offsets
+        ctx = self._decode_context(cache)
+        step = block_step or block_decode_step
         for i, block in enumerate(self.transformer.h):
-            x = block.decode_step(x, positions, cache.column, cache.offsets, cache.layers[i])
+            x = step(block, x, ctx, cache.layers[i])
         logits = self.lm_head(self.transformer.ln_f(x))[:, 0]
         cache.column.add_(1)
         return logits
+
+    def _decode_context(self, cache: InferenceCache) -> DecodeContext:
+        """Per-step values shared by all attention layers: they have one window, head size and ring
+        layout, and their slot positions are always equal."""
+        positions = cache.column - cache.offsets
+        attn = next((c for c in cache.layers if isinstance(c, AttentionCache)), None)
+        if attn is None:
+            return DecodeContext(positions, cache.column)
+        c = self.config
+        slot = torch.remainder(cache.column, attn.capacity).reshape(1)
+        kpos = attn.positions.index_copy(0, slot, cache.column.reshape(1))  # as after this step's write
+        # every stored column is <= the current one; empty slots hold -1 < any offset
+        visible = kpos[None, :] >= cache.offsets[:, None]
+        if c.sliding_window is not None:
+            visible = visible & (cache.column - kpos < c.sliding_window)[None, :]
+        cos, sin = rope_tables(positions, c.head_size, c.rope_base)
+        return DecodeContext(positions, cache.column, slot, visible, cos, sin)
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

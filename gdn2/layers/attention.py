@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gdn2.config import Config
+from gdn2.layers.decoding import DecodeContext, write_kv_slot
 from gdn2.layers.init import Linear
 from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
@@ -165,31 +166,17 @@ class CausalSelfAttention(nn.Module):
         cache.v[rows, slots] = v[keep].to(cache.v.dtype)
         cache.positions[slots] = cols
 
-    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, offsets: torch.Tensor,
-                    cache: AttentionCache) -> torch.Tensor:
+    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache) -> torch.Tensor:
         """One new token per row, with every cache update in place and no host synchronisation, so a
-        CUDA graph can capture it.
-
-        x: [B,1,d]; positions: int64 [B] position of the token in its row (RoPE); column: int64 0-d,
-        the shared column all rows write (ring slot ``column % capacity``); offsets: int64 [B] first
-        column of each row. Returns [B,1,d].
-        """
+        CUDA graph can capture it. x: [B,1,d] -> [B,1,d]; ``ctx`` carries the RoPE tables, the ring
+        slot and the visibility mask of this step (see ``GPT.decode_step``)."""
         B = x.shape[0]
         H, Hkv, D = self.n_head, self.n_kv, self.head_size
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D)
-        cos, sin = rope_tables(positions, D, self.rope_base)
-        q, k = apply_rope_per_row(q, cos, sin), apply_rope_per_row(k, cos, sin)
-        slot = torch.remainder(column, cache.capacity).reshape(1)
-        cache.k.index_copy_(1, slot, k.to(cache.k.dtype))
-        cache.v.index_copy_(1, slot, v.to(cache.v.dtype))
-        cache.positions.index_copy_(0, slot, column.reshape(1))
-        kpos = cache.positions[None, :]
-        # every stored column is <= the current one; empty slots hold -1 < any offset
-        visible = kpos >= offsets[:, None]
-        if self.window is not None:
-            visible = visible & (column - kpos < self.window)
+        q, k = apply_rope_per_row(q, ctx.cos, ctx.sin), apply_rope_per_row(k, ctx.cos, ctx.sin)
+        write_kv_slot(cache.k, cache.v, cache.positions, ctx.slot, ctx.column, k, v)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), cache.k.to(q.dtype).transpose(1, 2), cache.v.to(q.dtype).transpose(1, 2),
-            attn_mask=visible[:, None, None, :], enable_gqa=Hkv != H)
+            attn_mask=ctx.visible[:, None, None, :], enable_gqa=Hkv != H)
         return self.proj(o.transpose(1, 2).reshape(B, 1, H * D))

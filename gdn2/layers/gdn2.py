@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gdn2.config import Config
+from gdn2.layers.decoding import recurrent_decode
 from gdn2.layers.init import Linear
 from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2
 
@@ -225,8 +226,7 @@ class GatedDeltaNet2(nn.Module):
         k = self.k_conv1d.step(self.k_proj(x), cache.conv_k).reshape(B, 1, H, K)
         v = self.v_conv1d.step(self.v_proj(x), cache.conv_v).reshape(B, 1, HV, V)
         g, b, w = self._gates(x)
-        o, _ = fused_recurrent_gdn2(q, k, v, g.reshape(B, 1, H, K), b.reshape(B, 1, H, K), w.reshape(B, 1, HV, V),
-                                    initial_state=cache.state, use_qk_l2norm_in_kernel=True,
-                                    inplace_final_state=True)
+        o = recurrent_decode(q, k, v, g.reshape(B, 1, H, K), b.reshape(B, 1, H, K), w.reshape(B, 1, HV, V),
+                             cache.state)
         gate = self.g_proj(x).reshape(B, 1, HV, V)
         return self.o_proj(self.o_norm(o, gate).reshape(B, 1, self.value_dim))
