@@ -91,14 +91,16 @@ class GDN2LM(TemplateLM):
     ``batch_size`` (int, or 'auto' = 32 on CUDA, 4 on CPU), ``device``, ``dtype`` ('auto' = bf16 on
     CUDA, fp32 on CPU), ``max_length`` (longest scored window; default the config's block_size),
     ``max_gen_toks`` (default generation budget), ``context_prefix`` ('eos' | 'bos' | 'none'),
-    ``cuda_graph`` (decode with CUDA graphs; default on CUDA).
+    ``cuda_graph`` (decode with CUDA graphs; default on CUDA), ``compile`` (torch.compile the decode
+    step for generate_until; default false).
     """
 
     def __init__(self, checkpoint: Optional[str] = None, config: Optional[str] = None,
                  tokenizer: Union[str, Tokenizer, None] = None, batch_size: Union[int, str, None] = 1,
                  max_batch_size: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  max_length: Optional[int] = None, max_gen_toks: int = 256, context_prefix: str = "eos",
-                 cuda_graph: Union[bool, str, None] = None, model: Optional[GPT] = None, **unused: Any) -> None:
+                 cuda_graph: Union[bool, str, None] = None, compile: Union[bool, str] = False,
+                 model: Optional[GPT] = None, **unused: Any) -> None:
         super().__init__()
         if unused:
             log.warning("gdn2: ignoring unknown model arguments %s", sorted(unused))
@@ -145,6 +147,7 @@ class GDN2LM(TemplateLM):
             raise ValueError(f"context_prefix must be 'eos', 'bos' or 'none', got {context_prefix!r}")
         self.context_prefix = context_prefix
         self.cuda_graph = _as_bool(cuda_graph, "cuda_graph")
+        self.compile = bool(_as_bool(compile, "compile"))
         self._generator: Optional[Generator] = None
 
     # ---- lm-eval plumbing -------------------------------------------------------------------------
@@ -270,7 +273,8 @@ class GDN2LM(TemplateLM):
     def _get_generator(self) -> Generator:
         if self._generator is None:
             self._generator = Generator(self.model, self.tokenizer, max_batch_size=self.batch_size,
-                                        max_length=self.max_length, cuda_graph=self.cuda_graph)
+                                        max_length=self.max_length, cuda_graph=self.cuda_graph,
+                                        compile=self.compile)
         return self._generator
 
     def release(self) -> None:

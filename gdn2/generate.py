@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from gdn2.config import Config
-from gdn2.model import GPT, InferenceCache
+from gdn2.model import GPT, InferenceCache, block_decode_step
 from gdn2.tokenizer import TOKENIZER_FILE, Tokenizer
 
 __all__ = ["SamplingParams", "Completion", "Generator", "generate", "sample_tokens", "filter_logits",
@@ -119,18 +119,19 @@ class CapturedDecodeStep:
     The cache is scribbled on while warming up; it must be reset before use (Generator does).
     """
 
-    def __init__(self, model: GPT, cache: InferenceCache, pool: Optional[Any] = None) -> None:
+    def __init__(self, model: GPT, cache: InferenceCache, pool: Optional[Any] = None,
+                 block_step: Optional[Callable[..., torch.Tensor]] = None) -> None:
         device = cache.column.device
         self.tokens = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):  # kernel autotuning and lazy initialisation stay out of the capture
-                model.decode_step(self.tokens, cache)
+            for _ in range(3):  # compilation, autotuning and lazy initialisation stay out of the capture
+                model.decode_step(self.tokens, cache, block_step)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            self.logits = model.decode_step(self.tokens, cache)
+            self.logits = model.decode_step(self.tokens, cache, block_step)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
@@ -141,7 +142,9 @@ class CapturedDecodeStep:
 class Generator:
     """Batched generation with a reusable cache (and, on CUDA, captured decode steps).
 
-    ``max_batch_size`` rows are allocated once; a call with more prompts runs in slices. On CUDA a
+    ``max_batch_size`` rows are allocated once; a call with more prompts runs in slices.
+    ``compile=True`` runs each block's decode step through ``torch.compile`` (compiled once per layer
+    kind on first use; worth it for long generations). On CUDA a
     batch of n prompts runs in the smallest power-of-two bucket >= n (extra rows hold a one-token
     dummy prompt), each bucket with its own graph over a view of the shared cache. ``max_length``
     bounds prompt + generated tokens only where a layer attends to everything (full attention);
@@ -151,7 +154,7 @@ class Generator:
 
     def __init__(self, model: GPT, tokenizer: Optional[Tokenizer] = None, max_batch_size: int = 8,
                  max_length: Optional[int] = None, cuda_graph: Optional[bool] = None,
-                 vocab_limit: Optional[int] = None) -> None:
+                 vocab_limit: Optional[int] = None, compile: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -167,6 +170,8 @@ class Generator:
                              f"{model.config.vocab_size}")
         limit = vocab_limit if vocab_limit is not None else (tokenizer.vocab_size if tokenizer else None)
         self.vocab_limit = limit if limit is not None and limit < model.config.vocab_size else None
+        # torch.compile of one block's step (one graph per layer kind) fuses its elementwise work
+        self._block_step = torch.compile(block_decode_step, dynamic=False) if compile else None
         self._cache: Optional[InferenceCache] = None
         self._steps: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._pool = None
@@ -189,12 +194,12 @@ class Generator:
 
     def _step_fn(self, cache: InferenceCache) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.cuda_graph:
-            return lambda tokens: self.model.decode_step(tokens, cache)
+            return lambda tokens: self.model.decode_step(tokens, cache, self._block_step)
         B = cache.batch_size
         if B not in self._steps:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._steps[B] = CapturedDecodeStep(self.model, cache, self._pool)
+            self._steps[B] = CapturedDecodeStep(self.model, cache, self._pool, self._block_step)
         return self._steps[B]
 
     def release(self) -> None:
@@ -598,11 +603,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first call)")
     args = parser.parse_args(argv)
     loaded = load_model(args.checkpoint, config=args.config, tokenizer=args.tokenizer, device=args.device,
                         dtype=args.dtype)
     gen = Generator(loaded.model, loaded.tokenizer, max_batch_size=len(args.prompt),
-                    cuda_graph=False if args.no_cuda_graph else None)
+                    cuda_graph=False if args.no_cuda_graph else None, compile=args.compile)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(s.encode().decode("unicode_escape") for s in args.stop),
                             seed=args.seed)

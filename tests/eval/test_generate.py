@@ -139,3 +139,31 @@ def test_bad_arguments_are_value_errors():
         Generator(model).generate([[]])
     with pytest.raises(ValueError, match="tokenizer"):
         Generator(model).generate(["text"])
+
+
+def test_decode_step_compiles_to_one_graph_per_layer_kind():
+    """The cache writes are custom ops with declared mutations: torch.compile traces a whole block
+    without graph breaks, and the compiled step updates the cache exactly like the eager one."""
+    import torch._dynamo
+
+    from gdn2.model import block_decode_step
+
+    model = _model("swa_gdn2_tiny", sliding_window=6)
+    torch._dynamo.reset()
+    compiled = torch.compile(block_decode_step, backend="aot_eager", fullgraph=True, dynamic=False)
+    prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]
+    eager_cache, compiled_cache = InferenceCache(model, 2, max_length=32), InferenceCache(model, 2, max_length=32)
+    tokens = torch.tensor([3, 4])
+    with torch.no_grad():
+        model.prefill(prompts, eager_cache)
+        model.prefill(prompts, compiled_cache)
+        for _ in range(8):  # past the window of 6: the ring buffer wraps
+            expected = model.decode_step(tokens, eager_cache)
+            got = model.decode_step(tokens, compiled_cache, block_step=compiled)
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+            tokens = expected.argmax(-1)
+    for a, b in zip(eager_cache.layers, compiled_cache.layers):
+        for name, t in vars(a).items():
+            if torch.is_tensor(t):
+                torch.testing.assert_close(getattr(b, name), t, atol=1e-12, rtol=0)
+    torch._dynamo.reset()
