@@ -44,14 +44,15 @@ from gdn2.ops.swa import (BwdConfig, FwdConfig, default_configs, sliding_window_
 
 SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128, W=2048)]
 
+# the run-1 winners are the defaults now; neighbours around them, and one atomic-dq variant
 FWD_SWEEP = [
-    FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3),
+    FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 4), FwdConfig(256, 32, 8, 3),
 ]
 BWD_SWEEP = [
-    BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 2), BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 2),
-    BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 3), BwdConfig(64, 128, 8, 2, False, 128, 64, 8, 2),
-    BwdConfig(64, 128, 8, 2, True), BwdConfig(64, 128, 8, 2, True, dq_transposed=True),
-    BwdConfig(32, 128, 8, 2, True, dq_transposed=True), BwdConfig(64, 64, 4, 2, True),
+    BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3), BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 3),
+    BwdConfig(32, 128, 8, 4, False, 128, 64, 8, 3), BwdConfig(32, 128, 8, 3, False, 128, 32, 8, 3),
+    BwdConfig(32, 128, 8, 3, False, 64, 64, 4, 3), BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 2),
+    BwdConfig(32, 128, 8, 2, True, dq_transposed=True),
 ]
 # B, T, H, HKV, window, cu_seqlens
 ACCURACY_CASES = [

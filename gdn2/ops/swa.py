@@ -12,9 +12,11 @@ the backward.
 
 Backward (FA2 style): ``delta = rowsum(o * do)``; one program per key block and KV head walks over
 the query blocks that see it, for every query head of its group, and accumulates dk and dv in
-registers (so grouped heads need no repeated K/V and no atomics for dk/dv). dq either comes from the
-same pass through fp32 atomic adds (five matrix products per block pair) or from a second kernel
-that walks key blocks per query block (seven products, deterministic).
+registers (so grouped heads need no repeated K/V and no atomics for dk/dv). dq either comes from a
+kernel that walks key blocks per query block and runs first, writing delta on the way (seven
+products per block pair in all, deterministic, the default: its tiles fit the register file), or
+from the dk/dv pass itself through fp32 atomic adds (five products, but the atomics and register
+spills made it slower on an H200).
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, Bwd
     if head_dim <= 128:
         # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
         # the register file; dq then comes from its own kernel
-        return (FwdConfig(128, 64, 8, 2),
-                BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 2))
+        return (FwdConfig(128, 64, 8, 3),
+                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3))
     return (FwdConfig(64, 64, 8, 2),
             BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1))
 
@@ -215,14 +217,15 @@ def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m, o
         off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
         k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = cols[None, :] <= offs_m[:, None]
             if HAS_WINDOW:
                 keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        # raw scores: the row max scales afterwards (qk_scale > 0) and the exponent is one FMA
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -474,7 +477,7 @@ def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs
 
 
 @triton.jit
-def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW, qk_scale, scale,
+def _swa_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW, qk_scale, scale,
                        NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
                        PRECISION: tl.constexpr, WIDE: tl.constexpr):
@@ -498,7 +501,11 @@ def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW
     do = _load_tile(DO + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
     stat_base = (b * H + h).to(tl.int64) * T + bos - b * T
     lse2 = tl.load(LSE + stat_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + stat_base + offs_m, mask=row_ok, other=0.0)
+    # delta = rowsum(o * do) is made here (this kernel runs first) and stored for the dk/dv kernel,
+    # which saves a separate pass over o and do
+    o = _load_tile(O + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + stat_base + offs_m, delta, mask=row_ok)
     k_base = K + bos.to(tl.int64) * kv_stride + hk * D
     v_base = V + bos.to(tl.int64) * kv_stride + hk * D
 
@@ -521,7 +528,7 @@ def _swa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(q, k, v, window, cu_seqlens) -> None:
+def _check(q, k, v, window, cu_seqlens, scale=None) -> None:
     for name, t in dict(q=q, k=k, v=v).items():
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B, T, H, D], got shape {tuple(t.shape)}")
@@ -538,6 +545,8 @@ def _check(q, k, v, window, cu_seqlens) -> None:
         raise ValueError(f"head dim D={q.shape[3]} exceeds the supported maximum 256")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
@@ -601,7 +610,7 @@ def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     (with cu_seqlens, B == 1 and T runs over the packed tokens). ``visits`` (int32 [H*B*grid],
     optional) receives the number of key blocks each program visited.
     """
-    _check(q, k, v, window, cu_seqlens)
+    _check(q, k, v, window, cu_seqlens, scale)
     B, T, H, D = q.shape
     HKV = k.shape[2]
     if scale is None:
@@ -649,14 +658,27 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return torch.zeros_like(q), dk, dv
     BLOCK_D = max(16, triton.next_power_of_2(D))
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    BLOCK_T = 64
-    _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
-                                                       BLOCK_D=BLOCK_D, num_warps=4)
     has_window, w = _window_args(window, T)
     precision = _precision(q.dtype)
     wide = _wide_offsets(T, H, BLOCK_D)
     is_varlen = cu_seqlens is not None
-    dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32) if cfg.atomic_dq else q.new_empty(1, dtype=torch.float32)
+    dq = None
+    if cfg.atomic_dq:
+        BLOCK_T = 64
+        _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
+                                                           BLOCK_D=BLOCK_D, num_warps=4)
+        dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32)
+    else:
+        # the dq kernel also writes delta, so it runs before the dk/dv kernel
+        dq_acc = q.new_empty(1, dtype=torch.float32)
+        dq = torch.empty_like(q)
+        grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.dq_block_m)
+        _swa_bwd_dq_kernel[(grid0, B * H)](
+            q, k, v, o, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
+            float(scale) * LOG2E, float(scale), n_blocks,
+            D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
+            IS_VARLEN=is_varlen, PRECISION=precision, WIDE=wide, num_warps=cfg.dq_num_warps,
+            num_stages=cfg.dq_num_stages)
     grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
     if visits is not None and visits.numel() < grid0 * B * HKV:
         raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
@@ -668,15 +690,7 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         RECORD_VISITS=visits is not None,
         PRECISION=precision, WIDE=wide, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.atomic_dq:
-        return dq_acc.to(q.dtype), dk, dv
-    dq = torch.empty_like(q)
-    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.dq_block_m)
-    _swa_bwd_dq_kernel[(grid0, B * H)](
-        q, k, v, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
-        float(scale) * LOG2E, float(scale), n_blocks,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
-        IS_VARLEN=is_varlen, PRECISION=precision, WIDE=wide, num_warps=cfg.dq_num_warps,
-        num_stages=cfg.dq_num_stages)
+        dq = dq_acc.to(q.dtype)
     return dq, dk, dv
 
 
@@ -710,7 +724,7 @@ def sliding_window_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
     B == 1) keeps packed sequences apart. ``scale`` defaults to D**-0.5. Returns [B,T,H,D] in q's
     dtype. ``fwd_config`` / ``bwd_config`` override the tile shapes (benchmarks).
     """
-    _check(q, k, v, window, cu_seqlens)
+    _check(q, k, v, window, cu_seqlens, scale)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     if scale is None:

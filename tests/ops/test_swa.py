@@ -245,6 +245,8 @@ def test_bad_input_names_the_argument():
         sliding_window_attention_triton(big, big, big, 4)
     with pytest.raises(ValueError, match="window"):
         sliding_window_attention_triton(q, kv, kv, 0)
+    with pytest.raises(ValueError, match="scale"):
+        sliding_window_attention_triton(q, kv, kv, 4, scale=-0.1)
     with pytest.raises(ValueError, match="multiple"):
         sliding_window_attention_triton(q, torch.randn(1, 8, 3, 16, device=DEVICE),
                                         torch.randn(1, 8, 3, 16, device=DEVICE), 4)
