@@ -58,17 +58,17 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     dev, dt = q.device, q.dtype
     aqk, _, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=True, store_a=False)
     o = torch.empty(TT, H, V, device=dev, dtype=dt)
-    ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
+    h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
     hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt) if save_states else None
     rbuf = torch.empty(TT, H, V, device=dev, dtype=dt) if save_states else None
     cu, _, off = lay.kernel_args(gcl)
     gdn2_fwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        y, u, kt, qg, aqk, gcl, initial_state if initial_state is not None else gcl, o,
-        rbuf if save_states else o, hbuf if save_states else o, ht if ht is not None else gcl,
+        y, u, kt, qg, aqk, gcl, h0, o, rbuf if save_states else o, hbuf if save_states else o, ht,
         cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
-        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=save_states, DOT_PREC=dot_precision(dt), BT=CHUNK)
-    return o, ht, hbuf, rbuf
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, SAVE_STATES=save_states,
+        DOT_PREC=dot_precision(dt), BT=CHUNK)
+    return o, (ht if output_final_state else None), hbuf, rbuf
 
 
 def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, lay: ChunkLayout,
@@ -86,12 +86,12 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     cu, info, off = lay.kernel_args(gcl)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     dr = torch.empty(TT, H, V, device=dev, dtype=dt)
-    dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
+    dht = dht if dht is not None else torch.zeros_like(dh0)
     gdn2_bwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        qg, y, kt, aqk, gcl, do, dht if dht is not None else gcl, dhbuf, dr, dh0 if need_dh0 else gcl,
+        qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0,
         cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
-        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, HAS_DHT=dht is not None,
-        HAS_DH0=need_dh0, DOT_PREC=prec, BT=CHUNK)
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
     del y, kt, qg, aqk
     dv = torch.empty_like(v)
     dw = torch.empty_like(w)
@@ -108,7 +108,7 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
         q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
         lay.T, lay.NT, _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V),
         IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
-    return dq, dk, dv, dg, db, dw, dh0
+    return dq, dk, dv, dg, db, dw, (dh0 if need_dh0 else None)
 
 
 class ChunkGDN2Function(torch.autograd.Function):

@@ -27,9 +27,8 @@ from gdn2.ops.gdn2_triton_utils import (block_sum_bcast, chunk_bounds, exp2_nonp
 
 _SCAN_CONFIGS = [
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 16}, num_warps=4, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=1),
-    triton.Config({"BV": 16}, num_warps=2, num_stages=2),
 ]
 
 
@@ -37,12 +36,12 @@ _SCAN_CONFIGS = [
 @triton.jit
 def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
-                         HAS_DH0: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
+                         BV: tl.constexpr):
     """Reverse scan for one sequence, head and value block.
 
-    Writes dS_C of every chunk (dhbuf [NC, H, K, V], input dtype), dR (dr [TT, H, V]) and, if asked,
-    the gradient of the initial state (dh0 [N, H, K, V] fp32).
+    Writes dS_C of every chunk (dhbuf [NC, H, K, V], input dtype), dR (dr [TT, H, V]) and the gradient
+    of the initial state (dh0 [N, H, K, V] fp32).
     """
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -56,29 +55,28 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     dt = qg.dtype.element_ty
-    p_s = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([KP, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + p_s, mask=m_kv, other=0.0)
+    p_s = (i_n.to(tl.int64) * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :])
+    # dht / dh0 always exist (zeros / a scratch buffer when absent): fewer kernel variants
+    b_dh = tl.load(dht + p_s, mask=m_kv, other=0.0)
     n_t = tl.cdiv(eos - bos, BT)
     for i_r in range(0, n_t):
         i_t = n_t - 1 - i_r
         t0 = bos + i_t * BT
         m_t = o_t < eos - t0
-        tok = (t0 + o_t).to(tl.int64)
+        row0 = t0.to(tl.int64) * H + i_h
         i_c = (c0 + i_t).to(tl.int64)
-        tl.store(dhbuf + (i_c * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        tl.store(dhbuf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]),
                  b_dh.to(dhbuf.dtype.element_ty), mask=m_kv)
-        p_v = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(dt)
         # Aqk^T, Qg^T, Y^T straight from memory in transposed order
-        b_at = tl.load(aqk + (tok[None, :] * H + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0)
+        b_at = tl.load(aqk + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0)
         m_kt = m_k[:, None] & m_t[None, :]
-        p_kt = (tok[None, :] * H + i_h) * K + o_k[:, None]
+        p_kt = row0 * K + (o_t[None, :] * (H * K) + o_k[:, None])
         b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0.0)
         b_yt = tl.load(y + p_kt, mask=m_kt, other=0.0)
-        b_kt = tl.load(kt + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+        b_kt = tl.load(kt + row0 * K + (o_t[:, None] * (H * K) + o_k[None, :]), mask=m_t[:, None] & m_k[None, :],
                        other=0.0)
         b_gl = tl.load(gcl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
@@ -87,13 +85,12 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
         tl.store(dr + p_v, b_drd, mask=m_tv)
         b_dh = (b_dh * b_gl[:, None] + tl.dot(b_qgt, b_do, input_precision=DOT_PREC) * scale
                 - tl.dot(b_yt, b_drd, input_precision=DOT_PREC))
-    if HAS_DH0:
-        tl.store(dh0 + p_s, b_dh, mask=m_kv)
+    tl.store(dh0 + p_s, b_dh, mask=m_kv)
 
 
 _WY_CONFIGS = [
-    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 64}, num_warps=8, num_stages=2),
 ]
 
 
@@ -108,18 +105,19 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < L
-    tok = (t0 + o_t).to(tl.int64)
+    row0 = t0.to(tl.int64) * H + i_h
     dt = dr.dtype.element_ty
-    b_at = tl.load(amat + (tok[None, :] * H + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)
+    b_at = tl.load(amat + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0).to(dt)
     b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dtm = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_v = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
         m_tv = m_t[:, None] & m_v[None, :]
         b_dr = tl.load(dr + p_v, mask=m_tv, other=0.0)
-        b_rt = tl.load(r + (tok[None, :] * H + i_h) * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        b_rt = tl.load(r + row0 * V + (o_t[None, :] * (H * V) + o_v[:, None]), mask=m_v[:, None] & m_t[None, :],
+                       other=0.0)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(dt)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_w = tl.load(w + p_v, mask=m_tv, other=0.0).to(tl.float32)
@@ -131,15 +129,16 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
     valid = m_t[:, None] & m_t[None, :]
     b_daqk = tl.where((o_t[:, None] >= o_t[None, :]) & valid, b_daqk * scale, 0.0)
     b_dtm = tl.where((o_t[:, None] > o_t[None, :]) & valid, b_dtm, 0.0)
-    p_a = (tok[:, None] * H + i_h) * BT + o_t[None, :]
+    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
     tl.store(daqk + p_a, b_daqk, mask=m_t[:, None])
     tl.store(dtm + p_a, b_dtm, mask=m_t[:, None])
 
 
+# at K = V = 128: 4 warps spill ~1.8 KB per thread, 8 warps ~0.1 KB (BK 32) / 1.3 KB (BK 64)
 _QKBG_CONFIGS = [
     triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=1),
+    triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2),
 ]
 
 
@@ -158,21 +157,21 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < L
-    tok = (t0 + o_t).to(tl.int64)
+    row0 = t0.to(tl.int64) * H + i_h
     blk = o_t // BC
     r16 = o_t % BC
     odd = (blk % 2) == 1
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q, b_k, b_b, b_G, b_eg = load_chunk_qkbg(q, k, b, g, tok, i_h, o_k, m_t, H, K)
+    b_q, b_k, b_b, b_G, b_eg = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
     g_last = row_of(b_G, BT - 1, BT)
     b_gam = tl.exp2(b_G)
     b_tail = exp2_nonpos(g_last[None, :] - b_G)
     b_bk = b_b * b_k
 
     # inter-chunk part: contractions over the value axis against the state checkpoints
-    b_at = tl.load(amat + (tok[None, :] * H + i_h) * BT + o_t[:, None], mask=m_t[None, :], other=0.0).to(dt)
+    b_at = tl.load(amat + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0).to(dt)
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
     b_dy = tl.zeros([BT, BK], dtype=tl.float32)
@@ -182,10 +181,10 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_vk = m_v[:, None] & m_k[None, :]
-        p_hT = p_st + o_k[None, :] * V + o_v[:, None]
+        p_hT = p_st + (o_k[None, :] * V + o_v[:, None])
         b_ht = tl.load(hbuf + p_hT, mask=m_vk, other=0.0).to(dt)
         b_dht = tl.load(dhbuf + p_hT, mask=m_vk, other=0.0).to(dt)
-        p_v = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(dt)
         b_r = tl.load(r + p_v, mask=m_tv, other=0.0).to(dt)
@@ -196,22 +195,25 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     b_deb = tl.dot(b_at, b_dy.to(dt), input_precision=DOT_PREC)
 
-    # intra-chunk part: gradients of Aqk and T through their pairwise decays
-    p_a = (tok[:, None] * H + i_h) * BT + o_t[None, :]
-    p_at = (tok[None, :] * H + i_h) * BT + o_t[:, None]
-    b_da = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-    b_dtm = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0)
-    b_dat = tl.load(daqk + p_at, mask=m_t[None, :], other=0.0)
-    b_dtt = tl.load(dtm + p_at, mask=m_t[None, :], other=0.0)
-    # sub-chunks 2,3 x 0,1 anchored at row 32
-    g32 = row_of(b_G, 2 * BC, BT)
-    f_r = tl.where((o_t >= 2 * BC)[:, None], exp2_nonpos(b_G - g32[None, :]), 0.0)
-    f_c = tl.where((o_t < 2 * BC)[:, None], exp2_nonpos(g32[None, :] - b_G), 0.0)
+    # intra-chunk part: gradients of Aqk and T through their pairwise decays. The anchored
+    # off-diagonal products take the tiles in dt; the exact diagonal loop reads the diagonal blocks
+    # in fp32, compressed to [BT, BC] (row r holding columns BC*(r//BC) .. +BC).
+    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
+    p_at = row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None])
+    b_da = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0).to(dt)
+    b_dtm = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0).to(dt)
+    b_dat = tl.load(daqk + p_at, mask=m_t[None, :], other=0.0).to(dt)
+    b_dtt = tl.load(dtm + p_at, mask=m_t[None, :], other=0.0).to(dt)
+    # sub-chunks 2,3 x 0,1 anchored at row 32 (row and column sides; the transposed tiles were read
+    # straight from memory in that order)
+    g_an = row_of(b_G, 2 * BC, BT)
+    f_r = tl.where((o_t >= 2 * BC)[:, None], exp2_nonpos(b_G - g_an[None, :]), 0.0)
+    f_c = tl.where((o_t < 2 * BC)[:, None], exp2_nonpos(g_an[None, :] - b_G), 0.0)
     b_kc = (b_k * f_c).to(dt)
-    b_dq_i = f_r * tl.dot(b_da.to(dt), b_kc, input_precision=DOT_PREC)
-    b_dbk = f_r * tl.dot(b_dtm.to(dt), b_kc, input_precision=DOT_PREC)
-    b_dkc = f_c * (tl.dot(b_dat.to(dt), (b_q * f_r).to(dt), input_precision=DOT_PREC)
-                   + tl.dot(b_dtt.to(dt), (b_bk * f_r).to(dt), input_precision=DOT_PREC))
+    b_dq_i = f_r * tl.dot(b_da, b_kc, input_precision=DOT_PREC)
+    b_dbk = f_r * tl.dot(b_dtm, b_kc, input_precision=DOT_PREC)
+    b_dkc = f_c * (tl.dot(b_dat, (b_q * f_r).to(dt), input_precision=DOT_PREC)
+                   + tl.dot(b_dtt, (b_bk * f_r).to(dt), input_precision=DOT_PREC))
     # blocks (1,0) anchored at row 16 and (3,2) at row 48
     m_pair = (blk[:, None] == blk[None, :] + 1) & odd[:, None]
     m_pair_t = (blk[None, :] == blk[:, None] + 1) & odd[None, :]
@@ -219,20 +221,22 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     f_r = tl.where(odd[:, None], exp2_nonpos(b_G - g_an), 0.0)
     f_c = tl.where(odd[:, None], 0.0, exp2_nonpos(g_an - b_G))
     b_kc = (b_k * f_c).to(dt)
-    b_dq_i += f_r * tl.dot(tl.where(m_pair, b_da, 0.0).to(dt), b_kc, input_precision=DOT_PREC)
-    b_dbk += f_r * tl.dot(tl.where(m_pair, b_dtm, 0.0).to(dt), b_kc, input_precision=DOT_PREC)
-    b_dkc += f_c * (tl.dot(tl.where(m_pair_t, b_dat, 0.0).to(dt), (b_q * f_r).to(dt), input_precision=DOT_PREC)
-                    + tl.dot(tl.where(m_pair_t, b_dtt, 0.0).to(dt), (b_bk * f_r).to(dt),
-                             input_precision=DOT_PREC))
+    b_dq_i += f_r * tl.dot(tl.where(m_pair, b_da, 0.0), b_kc, input_precision=DOT_PREC)
+    b_dbk += f_r * tl.dot(tl.where(m_pair, b_dtm, 0.0), b_kc, input_precision=DOT_PREC)
+    b_dkc += f_c * (tl.dot(tl.where(m_pair_t, b_dat, 0.0), (b_q * f_r).to(dt), input_precision=DOT_PREC)
+                    + tl.dot(tl.where(m_pair_t, b_dtt, 0.0), (b_bk * f_r).to(dt), input_precision=DOT_PREC))
     # diagonal blocks, exact, column j of every sub-chunk at once (same running products as forward)
+    cb = tl.arange(0, BC)
+    p_dc = row0 * BT + (o_t[:, None] * (H * BT) + (blk * BC)[:, None] + cb[None, :])
+    b_dac = tl.load(daqk + p_dc, mask=m_t[:, None], other=0.0)
+    b_dtc = tl.load(dtm + p_dc, mask=m_t[:, None], other=0.0)
     b_e = tl.zeros([BT, BK], dtype=tl.float32)
     for jj in range(0, BC):
         j = BC - 1 - jj
         b_e = tl.where((r16 > j)[:, None], b_e * pick_rows(b_eg, j + 1, BT, BC, BK),
                        tl.where((r16 == j)[:, None], 1.0, 0.0))
-        colm = o_t[None, :] == (blk * BC + j)[:, None]
-        a_col = tl.sum(tl.where(colm, b_da, 0.0), axis=1)
-        t_col = tl.sum(tl.where(colm, b_dtm, 0.0), axis=1)
+        a_col = tl.sum(tl.where(cb[None, :] == j, b_dac, 0.0), axis=1)
+        t_col = tl.sum(tl.where(cb[None, :] == j, b_dtc, 0.0), axis=1)
         b_ke = pick_rows(b_k, j, BT, BC, BK) * b_e
         b_dq_i += a_col[:, None] * b_ke
         b_dbk += t_col[:, None] * b_ke
@@ -250,7 +254,7 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     b_dG += tl.where((o_t == L - 1)[:, None], extra[None, :], 0.0)
     b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
 
-    offs = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    offs = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
     msk = m_t[:, None] & m_k[None, :]
     tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=msk)
     tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=msk)

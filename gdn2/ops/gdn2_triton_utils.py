@@ -19,7 +19,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64      # chunk length
 SUB = 16        # sub-chunk length (diagonal blocks of the WY system)
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr so that kernels may read it
 
 
 def padded(d: int) -> int:
@@ -148,18 +148,23 @@ class Tuned:
 
     ``clip`` maps a block-size meta-parameter to the kernel argument that bounds it (e.g.
     ``{"BK": "KP"}``): configs are clipped to that bound and deduplicated, so small heads do not
-    compile oversized tiles. Under ``TRITON_INTERPRET=1`` no autotuning happens: the first config
-    (clipped) is passed explicitly.
+    compile oversized tiles. Under ``TRITON_INTERPRET=1``, or with a single config, nothing is tuned:
+    the first config (clipped) is passed explicitly. ``GDN2_SKIP_CONFIGS="kernel:i,kernel:j"`` drops
+    configs by index, for a Triton build that cannot compile one of them.
     """
 
     def __init__(self, fn, configs, key, clip=None):
         self.fn = fn
-        self.configs = configs
+        skip = {e.strip() for e in os.environ.get("GDN2_SKIP_CONFIGS", "").split(",") if e.strip()}
+        self.configs = [c for i, c in enumerate(configs) if f"{fn.__name__}:{i}" not in skip] or configs[:1]
         self.clip = clip or {}
-        if INTERPRET:
-            self.kernel = fn
-        else:
-            self.kernel = triton.autotune(configs=configs, key=key,
+        self.direct = INTERPRET or len(self.configs) == 1
+        if not self.direct:
+            def bench(kernel_call, quantiles):
+                # short runs: tuning happens once per key, and the key changes with every size bucket
+                return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+            self.kernel = triton.autotune(configs=self.configs, key=key, do_bench=bench,
                                           prune_configs_by={"early_config_prune": self._prune})(fn)
 
     def _clipped(self, cfg, args):
@@ -181,14 +186,16 @@ class Tuned:
         return out
 
     def __getitem__(self, grid):
-        if not INTERPRET:
+        if not self.direct:
             return self.kernel[grid]
 
         def launch(*args, **kwargs):
             named = dict(zip(self.fn.arg_names, args), **kwargs)
-            meta = self._clipped(self.configs[0], named).kwargs
-            g = grid(meta) if callable(grid) else grid
-            return self.fn[g](*args, **kwargs, **meta)
+            cfg = self._clipped(self.configs[0], named)
+            g = grid(cfg.kwargs) if callable(grid) else grid
+            if INTERPRET:
+                return self.fn[g](*args, **kwargs, **cfg.kwargs)
+            return self.fn[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         return launch
 
