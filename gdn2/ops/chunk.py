@@ -72,11 +72,11 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
 
 
 def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, lay: ChunkLayout,
-                  need_dh0: bool):
+                  need_dh0: bool, qk_grad_dtype: torch.dtype):
     """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`.
 
-    dq and dk are fp32 (the L2-norm backward may follow); the others have their input's dtype; dh0 is
-    fp32 or None.
+    dq and dk come in ``qk_grad_dtype`` (fp32 when the L2-norm backward follows); the others have
+    their input's dtype; dh0 is fp32 or None.
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -100,11 +100,11 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     gdn2_bwd_wy_kernel[(lay.NC, H)](
         v, w, amat, rbuf, dr, do, dv, dw, daqk, dtm, cu, info, scale, lay.T, lay.NT,
         _size_bucket(lay.NC * H), H=H, V=V, VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
-    dq = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
-    dk = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
+    dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     db = torch.empty_like(b)
     dg = torch.empty_like(g)
-    gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC, triton.cdiv(K, meta["BK"]) * H)](
+    gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
         q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
         lay.T, lay.NT, _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V),
         IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
@@ -135,12 +135,11 @@ class ChunkGDN2Function(torch.autograd.Function):
         dq, dk, dv, dg, db, dw, dh0 = gdn2_backward(
             qn, kn, v, g, b, w, ctx.scale, initial_state, hbuf, rbuf, do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.lay,
-            need_dh0=initial_state is not None and ctx.needs_input_grad[6])
+            need_dh0=initial_state is not None and ctx.needs_input_grad[6],
+            qk_grad_dtype=torch.float32 if ctx.use_l2 else q.dtype)
         if ctx.use_l2:
             dq = l2norm_bwd(q, q_rstd, dq, q.dtype)
             dk = l2norm_bwd(k, k_rstd, dk, k.dtype)
-        else:
-            dq, dk = dq.to(q.dtype), dk.to(k.dtype)
         return dq, dk, dv, dg, db, dw, dh0, None, None, None, None
 
 

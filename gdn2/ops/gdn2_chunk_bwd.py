@@ -149,11 +149,15 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                          VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head, one key block: dq, dk, db, dg (grid: chunks x (key blocks * heads))."""
-    i_c = tl.program_id(0)
-    i_kh = tl.program_id(1)
-    i_k = i_kh // H
-    i_h = i_kh % H
+    """One chunk, one head, one key block: dq, dk, db, dg (grid: chunks * key blocks, heads).
+
+    The key blocks of one chunk are neighbours in launch order, so the value-side tiles they all read
+    (dO, R, dR, dAqk, dT) come from L2 after the first.
+    """
+    NK = tl.cdiv(K, BK)
+    i_c = tl.program_id(0) // NK
+    i_k = tl.program_id(0) % NK
+    i_h = tl.program_id(1)
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < L

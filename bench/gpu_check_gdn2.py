@@ -1,0 +1,341 @@
+"""GPU accuracy of the GDN-2 kernels, ours and flash-linear-attention's, against float64 oracles.
+
+    PYTHONPATH=. python bench/gpu_check_gdn2.py [--probe] [--quick] [--no-peer] [--fp32]
+
+--probe  first AOT-compiles every autotuning config of our kernels for this GPU, each in its own
+         process (a compiler crash cannot take the run down), prints registers / spills, and writes
+         the failing ones to $OUT/skip_configs.txt in GDN2_SKIP_CONFIGS format.
+Accuracy: bf16 inputs, K = V = 128, loss sum(o*do) + sum(S_T*dS_T); ground truth is the float64 token
+recurrence on the GPU, or for T = 4096 the float64 chunked oracle (equal to it, and affordable).
+Metric ||x - ref|| / ||ref||. Prints a table and writes $OUT/gpu_check_gdn2.json (./bench_out without
+$OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2  # noqa: E402
+from gdn2.ops.reference import chunk_gdn2_reference, recurrent_gdn2_reference  # noqa: E402
+from gdn2.ops.testing import rel_err  # noqa: E402
+
+OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+DEV = "cuda"
+NAMES = ("o", "state", "dq", "dk", "dv", "dg", "db", "dw", "dh0")
+BF16_TOL = dict(o=5e-3, state=5e-3, dq=1e-2, dk=1e-2, dv=1e-2, dh0=1e-2, dg=2e-2, db=2e-2, dw=2e-2)
+FP32_TOL = {n: 1e-4 for n in NAMES}
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs (generated on the GPU, same recipe as gdn2.ops.testing)
+# --------------------------------------------------------------------------------------------------
+
+def gpu_inputs(B, T, H, K, V, dtype=torch.bfloat16, harsh=False, seed=0, normalize=True):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, device=DEV, generator=gen)
+
+    def rand(*s):
+        return torch.rand(*s, device=DEV, generator=gen)
+
+    q, k = randn(B, T, H, K), randn(B, T, H, K)
+    if normalize:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = randn(B, T, H, V)
+    A = 1 + 15 * rand(H)
+    dt = torch.exp(rand(H, K) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    g = -A[:, None] * F.softplus(randn(B, T, H, K) * 0.5 + dt_bias)
+    if harsh:
+        g = torch.where(rand(B, T, H, K) < 0.1, -20.0 * rand(B, T, H, K) - 10.0, g)
+    b, w = rand(B, T, H, K), rand(B, T, H, V)
+    return [q.to(dtype), k.to(dtype), v.to(dtype), g.float(), b.to(dtype), w.to(dtype)]
+
+
+# --------------------------------------------------------------------------------------------------
+# one accuracy case
+# --------------------------------------------------------------------------------------------------
+
+def _grads(fn, ins, h0, do, dht, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in ins]
+    h = h0.detach().clone().requires_grad_() if h0 is not None else None
+    o, s = fn(*leaves, initial_state=h, output_final_state=True, **kw)
+    wrt = leaves + ([h] if h is not None else [])
+    grads = torch.autograd.grad((o.double() * do.double()).sum() + (s.double() * dht.double()).sum(), wrt)
+    out = dict(o=o.detach(), state=s.detach())
+    out.update(zip(("dq", "dk", "dv", "dg", "db", "dw", "dh0"), [g.detach() for g in grads]))
+    return out
+
+
+def oracle(ins, h0, do, dht, cu, l2):
+    T = ins[0].shape[1]
+    ref_fn = chunk_gdn2_reference if T > 512 else recurrent_gdn2_reference
+
+    def fn(*a, initial_state, output_final_state):
+        return ref_fn(*a, None, initial_state, output_final_state, l2, cu)
+
+    return _grads(fn, [t.double() for t in ins], None if h0 is None else h0.double(), do, dht)
+
+
+def ours(ins, h0, do, dht, cu, l2):
+    return _grads(chunk_gdn2, ins, h0, do, dht, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2, backend="triton")
+
+
+def peer_chunk():
+    try:
+        from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
+    except Exception as e:  # noqa: BLE001
+        print(f"peer unavailable: {type(e).__name__}: {e}")
+        return None
+
+    def run(ins, h0, do, dht, cu, l2):
+        return _grads(fla_chunk, ins, h0, do, dht, cu_seqlens=None if cu is None else cu.long(),
+                      use_qk_l2norm_in_kernel=l2)
+    return run
+
+
+def compare(got, ref):
+    errs = {}
+    for n in NAMES:
+        if n in ref and n in got:
+            x = got[n]
+            errs[n] = float("nan") if not torch.isfinite(x).all() else rel_err(x, ref[n])
+    return errs
+
+
+def accuracy_cases(quick: bool):
+    cases = []  # (label, B, T, H, harsh, with_h0, cu, l2)
+    for T in (1, 63, 64, 100):
+        for H in (1, 16):
+            cases.append((f"T{T} H{H} realistic", 2, T, H, False, False, None, False))
+            cases.append((f"T{T} H{H} harsh h0", 2, T, H, True, True, None, False))
+        if not quick:
+            cases.append((f"T{T} H16 realistic h0", 2, T, 16, False, True, None, False))
+    for H in (1, 16):
+        cases.append((f"varlen H{H} realistic", 1, 256, H, False, False, [0, 15, 100, 256], False))
+        cases.append((f"varlen H{H} harsh h0", 1, 256, H, True, True, [0, 15, 100, 256], False))
+    cases.append(("T100 H16 l2norm h0", 2, 100, 16, False, True, None, True))
+    cases.append(("T4096 H16 realistic h0", 1, 4096, 16, False, True, None, False))
+    if not quick:
+        cases.append(("T4096 H1 harsh", 1, 4096, 1, True, False, None, False))
+    return cases
+
+
+def run_accuracy(quick=False, with_peer=True, fp32=False):
+    rows = []
+    peer = peer_chunk() if with_peer else None
+    K = V = 128
+    for i, (label, B, T, H, harsh, with_h0, cu, l2) in enumerate(accuracy_cases(quick)):
+        ins = gpu_inputs(B, T, H, K, V, harsh=harsh, seed=100 + i, normalize=not l2)
+        gen = torch.Generator(device=DEV).manual_seed(7 + i)
+        N = len(cu) - 1 if cu else B
+        h0 = torch.randn(N, H, K, V, device=DEV, generator=gen) if with_h0 else None
+        do = torch.randn(B, T, H, V, device=DEV, generator=gen).bfloat16()
+        dht = torch.randn(N, H, K, V, device=DEV, generator=gen)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu else None
+        t0 = time.time()
+        ref = oracle(ins, h0, do, dht, cu_t, l2)
+        impls = [("ours", ours)] + ([("fla", peer)] if peer else [])
+        for name, fn in impls:
+            try:
+                errs = compare(fn(ins, h0, do, dht, cu_t, l2), ref)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                errs = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            ok = "error" not in errs and all(errs.get(n, 0) <= BF16_TOL[n] for n in NAMES)
+            rows.append(dict(case=label, impl=name, dtype="bf16", ok=ok, **errs))
+            print(_fmt(rows[-1]) + f"   ({time.time() - t0:.1f}s)", flush=True)
+        del ref
+        torch.cuda.empty_cache()
+    if fp32:
+        for label, B, T, H, harsh, with_h0, cu in [("fp32 T100 H16 harsh h0", 2, 100, 16, True, True, None),
+                                                   ("fp32 varlen H16", 1, 256, 16, False, True, [0, 15, 100, 256])]:
+            ins = gpu_inputs(B, T, H, K, V, dtype=torch.float32, harsh=harsh, seed=5)
+            N = len(cu) - 1 if cu else B
+            h0 = torch.randn(N, H, K, V, device=DEV) if with_h0 else None
+            do, dht = torch.randn(B, T, H, V, device=DEV), torch.randn(N, H, K, V, device=DEV)
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu else None
+            try:
+                errs = compare(ours(ins, h0, do, dht, cu_t, False), oracle(ins, h0, do, dht, cu_t, False))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                errs = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            ok = "error" not in errs and all(errs.get(n, 0) <= FP32_TOL[n] for n in NAMES)
+            rows.append(dict(case=label, impl="ours", dtype="fp32", ok=ok, **errs))
+            print(_fmt(rows[-1]), flush=True)
+    rows += decode_accuracy(with_peer)
+    return rows
+
+
+def decode_accuracy(with_peer):
+    """One decode step (T = 1) and a 20-token prefill through the recurrent entry points."""
+    rows = []
+    peer = None
+    if with_peer:
+        try:
+            from fla.ops.gdn2 import fused_recurrent_gdn2 as peer
+        except Exception:  # noqa: BLE001
+            peer = None
+    K = V = 128
+    for label, B, T, H in [("decode B64 H16", 64, 1, 16), ("recurrent T20 B2 H16", 2, 20, 16)]:
+        ins = gpu_inputs(B, T, H, K, V, seed=B + T)
+        h0 = torch.randn(B, H, K, V, device=DEV)
+        ro, rs = recurrent_gdn2_reference(*(t.double() for t in ins), None, h0.double(), True)
+        impls = [("ours", lambda: fused_recurrent_gdn2(*ins, initial_state=h0.clone(), output_final_state=True,
+                                                      backend="triton"))]
+        if peer is not None:
+            impls.append(("fla", lambda: peer(*ins, initial_state=h0.clone(), output_final_state=True)))
+        for name, fn in impls:
+            with torch.no_grad():
+                try:
+                    o, s = fn()
+                    errs = dict(o=rel_err(o, ro), state=rel_err(s, rs))
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    errs = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            ok = "error" not in errs and errs["o"] <= 5e-3 and errs["state"] <= 5e-3
+            rows.append(dict(case=label, impl=name, dtype="bf16", ok=ok, **errs))
+            print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def _fmt(r):
+    if "error" in r:
+        return f"{r['case']:26s} {r['impl']:5s} ERROR {r['error']}"
+    vals = " ".join(f"{n}={r[n]:.1e}" for n in NAMES if n in r)
+    return f"{r['case']:26s} {r['impl']:5s} {'ok ' if r['ok'] else 'BAD'} {vals}"
+
+
+def table(rows):
+    head = f"| case | impl | {' | '.join(NAMES)} | within spec |"
+    lines = [head, "|" + "---|" * (len(NAMES) + 3)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['impl']} | error: {r['error']} |")
+            continue
+        vals = " | ".join(f"{r[n]:.1e}" if n in r else "" for n in NAMES)
+        lines.append(f"| {r['case']} | {r['impl']} | {vals} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# compile probe
+# --------------------------------------------------------------------------------------------------
+
+def _probe_one(job):
+    """Compile one (kernel, config) for the current GPU in a fresh process; returns a result dict."""
+    kname, idx, dtype = job
+    try:
+        import triton
+        from triton.compiler import ASTSource
+
+        from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
+
+        kernels = {"gdn2_prep_kernel": F_.gdn2_prep_kernel, "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
+                   "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
+                   "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
+        tuned = kernels[kname]
+        cfg = tuned.configs[idx]
+        fn = tuned.fn
+        dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
+        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk"}
+        ints = {"T", "NT", "SIZE"}
+        consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False, STORE_U=True,
+                      STORE_A=False, SAVE_STATES=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+        consts.update(cfg.kwargs)
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+        sig = {}
+        for a in fn.arg_names:
+            if a in consts:
+                sig[a] = "constexpr"
+            elif a in ints:
+                sig[a] = "i32"
+            elif a == "scale":
+                sig[a] = "fp32"
+            elif a in ("cu", "chunk_info", "chunk_off"):
+                sig[a] = "*i32"
+            else:
+                sig[a] = "*fp32" if a in fp32_ptrs else "*" + dt
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        t = time.time()
+        target = triton.runtime.driver.active.get_current_target()
+        k = triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        k._init_handles()
+        return dict(kernel=kname, index=idx, dtype=dtype, ok=True, regs=k.n_regs, spills=k.n_spills,
+                    shared=k.metadata.shared, seconds=round(time.time() - t, 1), config=str(cfg))
+    except Exception as e:  # noqa: BLE001
+        return dict(kernel=kname, index=idx, dtype=dtype, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def probe(dtypes=("bf16",)):
+    from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
+
+    jobs = []
+    for tuned in (F_.gdn2_prep_kernel, F_.gdn2_fwd_scan_kernel, B_.gdn2_bwd_scan_kernel, B_.gdn2_bwd_wy_kernel,
+                  B_.gdn2_bwd_qkbg_kernel):
+        for i in range(len(tuned.configs)):
+            for dt in dtypes:
+                jobs.append((tuned.fn.__name__, i, dt))
+    results = []
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 2)), maxtasksperchild=1) as pool:
+        pending = {job: pool.apply_async(_probe_one, (job,)) for job in jobs}
+        for job, res in pending.items():
+            try:
+                r = res.get(timeout=240)
+            except Exception as e:  # noqa: BLE001  (a crashed worker or a hang)
+                r = dict(kernel=job[0], index=job[1], dtype=job[2], ok=False, error=f"{type(e).__name__}: {e}")
+            results.append(r)
+            if r["ok"]:
+                print(f"probe {r['kernel']:22s} #{r['index']} {r['dtype']} {r['config']:50s} regs={r['regs']} "
+                      f"spills={r['spills']} smem={r['shared']} {r['seconds']}s", flush=True)
+            else:
+                print(f"probe {r['kernel']:22s} #{r['index']} {r['dtype']} FAILED {r['error']}", flush=True)
+    bad = sorted({f"{r['kernel']}:{r['index']}" for r in results if not r["ok"]})
+    return results, bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--fp32", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    import triton
+    res["triton"] = triton.__version__
+    if args.probe:
+        results, bad = probe(("bf16", "fp32") if args.fp32 else ("bf16",))
+        res["probe"] = results
+        with open(os.path.join(OUT, "skip_configs.txt"), "w") as f:
+            f.write(",".join(bad))
+        print("configs to skip:", ",".join(bad) or "none", flush=True)
+    else:
+        rows = run_accuracy(args.quick, not args.no_peer, args.fp32)
+        res["accuracy"] = rows
+        print("\n## Accuracy vs float64 oracle (bf16 unless marked; K = V = 128)\n")
+        print(table(rows))
+    name = "gpu_probe_gdn2.json" if args.probe else "gpu_check_gdn2.json"
+    with open(os.path.join(OUT, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Benchmark of the GDN-2 operator: ours (Triton) beside flash-linear-attention's, in the same run.
+
+    PYTHONPATH=. python bench/ops_gdn2.py [--quick] [--no-peer] [--accuracy] [--profile]
+
+Per training shape (bf16 q/k/v/b/w, fp32 g, K = V = 128): forward time (inference, no saved state),
+forward + backward time, the memory-traffic floor (bytes each must move / measured copy bandwidth) and
+the activation memory kept for the backward. Decode: one token through the recurrent kernels at batch
+1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench. --accuracy also
+runs bench/gpu_check_gdn2.py's accuracy table; --profile prints the per-kernel split of one
+forward + backward. Writes $OUT/ops_gdn2.json (./bench_out without $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2  # noqa: E402
+from gpu_check_gdn2 import gpu_inputs  # noqa: E402
+
+OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+SHAPES = [(8, 4096, 16), (4, 8192, 16), (1, 32768, 16)]
+K = V = 128
+res: dict = {}
+
+
+def rec(key, value):
+    res[key] = value
+    print(f"{key}: {value}", flush=True)
+
+
+def median_ms(fn, warmup=25, rep=200):
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth():
+    x = torch.empty(2 * 1024 ** 3, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    t = median_ms(lambda: y.copy_(x), 10, 100)
+    del x, y
+    return 2 * 2 * 1024 ** 3 / (t * 1e-3)  # bytes read + written per second
+
+
+def floor_bytes(B, T, H):
+    """Bytes each implementation must move at least (inputs once, outputs once, bf16 checkpoints)."""
+    n = B * T * H * K
+    inputs = 5 * 2 * n + 4 * n            # q, k, v, b, w bf16; g fp32
+    ckpt = B * H * triton.cdiv(T, 64) * K * V * 2
+    fwd = inputs + 2 * n + ckpt           # + o, + state checkpoints
+    bwd = inputs + 2 * n + ckpt + inputs  # read inputs, do, checkpoints; write the six gradients
+    return fwd, fwd + bwd
+
+
+def peer_ops():
+    try:
+        from fla.ops.gdn2 import chunk_gdn2 as fc, fused_recurrent_gdn2 as fr
+        return fc, fr
+    except Exception as e:  # noqa: BLE001
+        print(f"peer unavailable: {type(e).__name__}: {e}")
+        return None, None
+
+
+def ours_chunk(*ins, **kw):
+    return chunk_gdn2(*ins, backend="triton", **kw)
+
+
+def bench_training(B, T, H, impls, bw):
+    tag = f"{B}x{T}x{H}"
+    ins = gpu_inputs(B, T, H, K, V, seed=1)
+    fwd_floor, total_floor = floor_bytes(B, T, H)
+    rec(f"floor_fwd_ms_{tag}", round(fwd_floor / bw * 1e3, 3))
+    rec(f"floor_fwdbwd_ms_{tag}", round(total_floor / bw * 1e3, 3))
+    for name, fn in impls:
+        try:
+            with torch.inference_mode():
+                t = median_ms(lambda: fn(*ins))
+            rec(f"{name}_fwd_ms_{tag}", round(t, 3))
+            leaves = [x.detach().requires_grad_() for x in ins]
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            o, _ = fn(*leaves)
+            torch.cuda.synchronize()
+            saved = torch.cuda.memory_allocated() - base - o.numel() * o.element_size()
+            rec(f"{name}_saved_MB_{tag}", round(saved / 2 ** 20, 1))
+            do = torch.randn_like(o)
+            o.backward(do)
+            del o
+
+            def fb():
+                for x in leaves:
+                    x.grad = None
+                o, _ = fn(*leaves)
+                o.backward(do)
+
+            t = median_ms(fb)
+            rec(f"{name}_fwdbwd_ms_{tag}", round(t, 3))
+            del leaves, do
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+
+
+def bench_decode(impls):
+    H = 16
+    for Bd in (1, 64, 256):
+        ins = [x.detach() for x in gpu_inputs(Bd, 1, H, K, V, seed=2)]
+        st = torch.randn(Bd, H, K, V, device="cuda") * 0.1
+        floor = 2 * st.numel() * 4
+        rec(f"floor_decode_us_B{Bd}", round(floor / res["copy_bw_Bps"] * 1e6, 2))
+        for name, fn in impls:
+            try:
+                with torch.inference_mode():
+                    t = median_ms(lambda: fn(*ins, initial_state=st, output_final_state=True))
+                rec(f"{name}_decode_us_B{Bd}", round(t * 1e3, 1))
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        try:
+            cache = st.clone()
+            with torch.inference_mode():
+                t = median_ms(lambda: fused_recurrent_gdn2(*ins, initial_state=cache, inplace_final_state=True,
+                                                           backend="triton"))
+            rec(f"ours_inplace_decode_us_B{Bd}", round(t * 1e3, 1))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+
+
+def profile_split(impls):
+    """Per-kernel CUDA time of one forward + backward at 8 x 4096 x 16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ins = gpu_inputs(8, 4096, 16, K, V, seed=3)
+    for name, fn in impls:
+        leaves = [x.detach().requires_grad_() for x in ins]
+        for _ in range(2):
+            o, _ = fn(*leaves)
+            o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            o, _ = fn(*leaves)
+            o.backward(torch.ones_like(o))
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t > 0:
+                rows.append((e.key, t / 1e3, e.count))
+        rows.sort(key=lambda r: -r[1])
+        print(f"\nper-kernel split, {name}, one fwd+bwd at 8x4096x16 (ms, calls):")
+        for key, ms, n in rows[:14]:
+            print(f"  {ms:8.3f} {n:3d}  {key[:90]}")
+        res[f"{name}_profile_ms"] = {k: round(ms, 4) for k, ms, _ in rows[:20]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the first training shape")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    rec("gpu", torch.cuda.get_device_name())
+    rec("torch", torch.__version__)
+    rec("triton", triton.__version__)
+    bw = copy_bandwidth()
+    rec("copy_bw_Bps", round(bw))
+    fla_chunk, fla_rec = (None, None) if args.no_peer else peer_ops()
+    train = [("ours", ours_chunk)] + ([("fla", fla_chunk)] if fla_chunk else [])
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        bench_training(*shape, train, bw)
+    dec = [("ours", lambda *a, **kw: fused_recurrent_gdn2(*a, backend="triton", **kw))]
+    if fla_rec:
+        dec.append(("fla", fla_rec))
+    bench_decode(dec)
+    if args.profile:
+        try:
+            profile_split(train)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    print("\n## GDN-2 operator, bf16, fp32 g, K = V = 128 (ms; median of do_bench)\n")
+    print("| shape | floor fwd | ours fwd | fla fwd | floor fwd+bwd | ours fwd+bwd | fla fwd+bwd | speedup | "
+          "saved MB ours | saved MB fla |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for B, T, H in SHAPES:
+        tag = f"{B}x{T}x{H}"
+        if f"floor_fwd_ms_{tag}" not in res:
+            continue
+        g = lambda k: res.get(f"{k}_{tag}", float("nan"))  # noqa: E731
+        sp = g("fla_fwdbwd_ms") / g("ours_fwdbwd_ms")
+        print(f"| {tag} | {g('floor_fwd_ms')} | {g('ours_fwd_ms')} | {g('fla_fwd_ms')} | {g('floor_fwdbwd_ms')} | "
+              f"{g('ours_fwdbwd_ms')} | {g('fla_fwdbwd_ms')} | {sp:.2f}x | {g('ours_saved_MB')} | {g('fla_saved_MB')} |")
+    print("\n| decode (T=1, H=16) | floor us | ours us | ours in-place us | fla us |\n|---|---|---|---|---|")
+    for Bd in (1, 64, 256):
+        print(f"| batch {Bd} | {res.get(f'floor_decode_us_B{Bd}')} | {res.get(f'ours_decode_us_B{Bd}')} | "
+              f"{res.get(f'ours_inplace_decode_us_B{Bd}')} | {res.get(f'fla_decode_us_B{Bd}')} |")
+    with open(os.path.join(OUT, "ops_gdn2.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    if args.accuracy:
+        from gpu_check_gdn2 import run_accuracy, table
+        rows = run_accuracy(quick=args.quick, with_peer=not args.no_peer)
+        res["accuracy"] = rows
+        print(table(rows))
+        with open(os.path.join(OUT, "ops_gdn2.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
