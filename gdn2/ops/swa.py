@@ -49,7 +49,7 @@ class FwdConfig:
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,15 @@ class BwdConfig:
     k^T ds^T, for small ``block_m``); otherwise a second kernel computes dq with ``dq_block_m``
     queries per program stepping over ``dq_block_n`` keys.
     """
-    block_m: int = 64
+    block_m: int = 32
     block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 2
-    atomic_dq: bool = True
+    num_stages: int = 3
+    atomic_dq: bool = False
     dq_block_m: int = 128
     dq_block_n: int = 64
     dq_num_warps: int = 8
-    dq_num_stages: int = 2
+    dq_num_stages: int = 3
     dq_transposed: bool = False
 
 
@@ -79,16 +79,20 @@ def _interpreted(device: torch.device) -> bool:
 
 def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, BwdConfig]:
     """The tile shapes used when none are given: small tiles under the interpreter (fast on CPU),
-    Hopper-sized tiles on CUDA, shrinking as the head dim grows so that accumulators fit registers."""
+    Hopper-sized tiles on CUDA, shrinking as the head dim grows so that accumulators fit registers.
+
+    D = 128 is the measured one (bench/ops_swa.py sweep on an H200); the others are scaled from it.
+    """
     if _interpreted(device):
         return (FwdConfig(32, 16, 4, 1),
-                BwdConfig(16, 32, 4, 1, True, 32, 16, 4, 1))
+                BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1))
     if head_dim <= 64:
         return (FwdConfig(128, 64, 4, 3),
-                BwdConfig(64, 128, 8, 2, True, 128, 64, 8, 2))
+                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3))
     if head_dim <= 128:
         # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
-        # the register file; dq then comes from its own kernel
+        # the register file; dq then comes from its own kernel. Larger query tiles spill and run
+        # at half the speed; the atomic-dq variant ran 15% slower.
         return (FwdConfig(128, 64, 8, 3),
                 BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3))
     return (FwdConfig(64, 64, 8, 2),
