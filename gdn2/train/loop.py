@@ -349,8 +349,10 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             prepare_default_corpus(recipe)
     fabric.barrier()
 
-    model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
     device_type = fabric.device.type
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for whatever runs in fp32
+    model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
 
     sources = [(s.path, s.weight) for s in recipe.train_sources()]
     train_loader = TrainLoader(sources, plan.block_size, plan.micro_batch_size, seed=recipe.train.seed,

@@ -102,6 +102,7 @@ def test_keep_last(tmp_path):
     assert prune_checkpoints(root, 1) == [root / "step-000000004"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_consolidate_full_and_sharded_formats(tmp_path):
     """The single-file format (one device) and the torch.distributed.checkpoint folder FSDP writes."""
     from torch.distributed.checkpoint import save as dcp_save

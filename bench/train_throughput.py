@@ -1,0 +1,327 @@
+"""Trainer throughput on one or several GPUs: the real CLI end to end, and the largest micro-batch.
+
+    python bench/train_throughput.py --config swa_gdn2_1.3B --gpus 1 [--phase all|trainer|search]
+
+Phase ``trainer`` runs ``pretrain/main.py`` (torchrun with ``--gpus`` processes: FSDP from two GPUs on)
+on synthetic token shards for a few optimizer steps, then resumes it for two more and consolidates the
+checkpoint: it reports tokens/s per GPU, MFU against the card's dense bf16 peak and peak memory from
+the run's own metrics, and checks the sharded save / resume / consolidation paths on GPUs.
+
+Phase ``search`` finds the largest micro-batch at ``--seq-len`` (default: the config's block size)
+with and without activation checkpointing: one child process per trial (so an out-of-memory failure
+on any rank ends only that trial), doubling the micro-batch until a trial fails, then bisecting. Each
+trial runs the trainer's own optimizer step (``gdn2.train.loop.train_step``) on random tokens.
+
+Prints a table and writes ``train_throughput_<config>_<gpus>gpu.json`` to ``--out`` (default ``$OUT``
+or ``bench/out``). Stops starting new trials once ``--time-budget`` seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+# --------------------------------------------------------------------------------------------------
+# child: one trial under torchrun
+# --------------------------------------------------------------------------------------------------
+
+def run_trial(args: argparse.Namespace) -> None:
+    import torch
+
+    from gdn2.model import flops_per_token
+    from gdn2.train.loop import build_fabric, build_model_and_optimizer, train_step
+    from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
+    from gdn2.train.recipe import load_recipe, make_plan
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    overrides = {"train.micro_batch_size": str(args.micro_batch), "train.global_batch_size": str(args.micro_batch * world),
+                 "train.activation_checkpointing": str(args.ac).lower(), "data.num_workers": "0"}
+    if args.seq_len:
+        overrides["model.block_size"] = str(args.seq_len)
+    recipe = load_recipe(args.config, overrides, out_dir="/tmp/gdn2_bench_trial")
+    fabric, _, precision = build_fabric(recipe)
+    fabric.launch()
+    plan = make_plan(recipe, fabric.world_size)
+    result = {"micro_batch": args.micro_batch, "activation_checkpointing": args.ac, "seq_len": plan.block_size,
+              "world_size": fabric.world_size, "precision": precision}
+    try:
+        model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
+        vocab = recipe.model.vocab_size
+
+        def batches():
+            gen = torch.Generator().manual_seed(fabric.global_rank)
+            while True:
+                rows = torch.randint(0, vocab, (plan.micro_batch_size, plan.block_size + 1), generator=gen)
+                yield {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+        it = batches()
+        cuda = fabric.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        for _ in range(args.warmup_steps):  # Triton compilation and allocator warm-up
+            train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0, recipe.train.loss_chunk_tokens)
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            out = train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0, recipe.train.loss_chunk_tokens)
+            sync()
+            times.append(time.perf_counter() - t0)
+        step_time = statistics.median(times)
+        tps = plan.micro_batch_size * plan.block_size / step_time
+        device_name = torch.cuda.get_device_name(fabric.device) if cuda else "cpu"
+        mfu = model_flops_utilization(flops_per_token(recipe.model, plan.block_size), tps, peak_bf16_flops(device_name))
+        memory = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30]
+                              if cuda else [0.0, 0.0], device=fabric.device)
+        memory = fabric.all_reduce(memory, reduce_op="max")
+        result.update(ok=True, parameters=num_params, step_time_s=step_time, tokens_per_sec_per_gpu=tps, mfu=mfu,
+                      peak_memory_gib=float(memory[0]), peak_reserved_gib=float(memory[1]), loss=out.loss,
+                      device=device_name)
+    except torch.OutOfMemoryError as e:
+        result.update(ok=False, oom=True, error=str(e).splitlines()[0])
+        Path(f"{args.result}.rank{fabric.global_rank}").write_text(json.dumps(result))
+        sys.stdout.flush()
+        os._exit(3)  # other ranks may wait in a collective: torchrun tears the group down
+    if fabric.global_rank == 0:
+        Path(args.result).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------------
+
+def torchrun(gpus: int, script: Path, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            str(script), *args]
+
+
+def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path) -> dict:
+    result = workdir / f"trial_mb{mb}_ac{int(ac)}.json"
+    cmd = torchrun(cfg.gpus, Path(__file__), ["--trial", "--config", cfg.config, "--micro-batch", str(mb),
+                                             "--ac", str(ac), "--steps", str(cfg.trial_steps),
+                                             "--warmup-steps", str(cfg.warmup_steps), "--result", str(result)]
+                   + (["--seq-len", str(cfg.seq_len)] if cfg.seq_len else []))
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.trial_timeout)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, output = -1, f"timed out after {cfg.trial_timeout}s\n{e.stdout or ''}{e.stderr or ''}"
+    data: dict = {"micro_batch": mb, "activation_checkpointing": ac}
+    if result.exists():
+        data = json.loads(result.read_text())
+    else:
+        ranks = sorted(workdir.glob(result.name + ".rank*"))
+        if ranks:
+            data = json.loads(ranks[0].read_text())
+        else:
+            oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
+            data.update(ok=False, oom=oom, error=output.strip().splitlines()[-1][:300] if output.strip() else f"rc {rc}")
+            if not oom:
+                (workdir / f"trial_mb{mb}_ac{int(ac)}.log").write_text(output[-20000:])
+    data["wall_s"] = round(time.time() - t0, 1)
+    return data
+
+
+def search(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict]:
+    """Largest micro-batch that fits, without and with activation checkpointing."""
+    trials = []
+    for ac in (False, True):
+        ok, bad = 0, None
+        mb = cfg.start_micro_batch
+        while mb <= cfg.max_micro_batch and time.time() < deadline:
+            r = trial(cfg, mb, ac, workdir)
+            trials.append(r)
+            print(f"  ac={ac!s:5} mb={mb:3d}: " + (f"{r['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, "
+                  f"{r['peak_memory_gib']:.1f} GiB" if r.get("ok") else f"failed ({'OOM' if r.get('oom') else r.get('error')})"),
+                  flush=True)
+            if not r.get("ok"):
+                bad = mb
+                break
+            ok = mb
+            mb *= 2
+        while bad is not None and bad - ok > 1 and time.time() < deadline and ok > 0:  # bisect
+            mid = (ok + bad) // 2
+            r = trial(cfg, mid, ac, workdir)
+            trials.append(r)
+            print(f"  ac={ac!s:5} mb={mid:3d}: " + ("ok" if r.get("ok") else "failed"), flush=True)
+            if r.get("ok"):
+                ok = mid
+            else:
+                bad = mid
+    return trials
+
+
+def write_shards(folder: Path, vocab: int, train_tokens: int, val_tokens: int) -> None:
+    import numpy as np
+
+    from gdn2.data import write_shard
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_shard(folder / "train_0000000000.bin", rng.integers(3, vocab, train_tokens).astype(np.uint16))
+    write_shard(folder / "val_0000000000.bin", rng.integers(3, vocab, val_tokens).astype(np.uint16))
+
+
+def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
+    """The CLI itself: train, resume, consolidate; metrics from its metrics.jsonl."""
+    from gdn2.train.metrics import read_jsonl
+    from gdn2.train.recipe import load_recipe
+
+    recipe = load_recipe(cfg.config)
+    block = cfg.seq_len or recipe.model.block_size
+    mb = cfg.trainer_micro_batch or recipe.train.micro_batch_size
+    gbs = mb * cfg.gpus * cfg.trainer_accum
+    data = workdir / "data"
+    need = (cfg.trainer_steps + 3) * gbs * (block + 1)
+    write_shards(data, recipe.model.vocab_size, need, 4 * block * cfg.gpus * 2 + 1)
+    run_dir = workdir / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    common = ["--config", cfg.config, "--out_dir", str(run_dir), "--data.train", str(data), "--data.val", str(data),
+              "--data.num_workers", "2", "--train.micro_batch_size", str(mb), "--train.global_batch_size", str(gbs),
+              "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.num_batches", "1",
+              "--eval.length_multipliers", "[1, 4]", "--checkpoint.interval", "0", "--checkpoint.keep_last", "1",
+              "--logging.interval", "1", "--logging.progress_bar", "false",
+              "--train.activation_checkpointing", str(cfg.trainer_ac).lower()]
+    if cfg.seq_len:
+        common += ["--model.block_size", str(block)]
+    report: dict = {"micro_batch": mb, "global_batch": gbs, "grad_accum": cfg.trainer_accum, "seq_len": block,
+                    "activation_checkpointing": cfg.trainer_ac}
+    t0 = time.time()
+    first = subprocess.run(torchrun(cfg.gpus, ROOT / "pretrain" / "main.py",
+                                    common + ["--train.max_steps", str(cfg.trainer_steps + 2),
+                                              "--train.stop_at_step", str(cfg.trainer_steps)]),
+                           cwd=ROOT, capture_output=True, text=True, timeout=cfg.trial_timeout * 3)
+    report["train_wall_s"] = round(time.time() - t0, 1)
+    (workdir / "trainer_first.log").write_text((first.stdout + first.stderr)[-200000:])
+    report["train_rc"] = first.returncode
+    if first.returncode != 0:
+        report["error"] = (first.stdout + first.stderr).strip().splitlines()[-5:]
+        return report
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    steady = records[2:] or records  # the first steps include Triton compilation
+    report["tokens_per_sec_per_gpu"] = statistics.median(r["tokens_per_sec_per_device"] for r in steady)
+    report["mfu"] = statistics.median(r["mfu"] for r in steady) if "mfu" in steady[-1] else None
+    report["peak_memory_gib"] = max(r.get("peak_memory_gib", 0.0) for r in records)
+    report["losses"] = [round(r["loss"], 4) for r in records]
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    report["checkpoint"] = ckpts[-1].name if ckpts else None
+    report["checkpoint_format"] = ("sharded" if ckpts and (ckpts[-1] / "state").is_dir() else "single file")
+
+    t0 = time.time()
+    second = subprocess.run(torchrun(cfg.gpus, ROOT / "pretrain" / "main.py",
+                                     common + ["--train.max_steps", str(cfg.trainer_steps + 2), "--resume", "auto"]),
+                            cwd=ROOT, capture_output=True, text=True, timeout=cfg.trial_timeout * 3)
+    (workdir / "trainer_resume.log").write_text((second.stdout + second.stderr)[-200000:])
+    report["resume_wall_s"] = round(time.time() - t0, 1)
+    report["resume_rc"] = second.returncode
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    report["resume_ok"] = second.returncode == 0 and steps == list(range(1, cfg.trainer_steps + 3))
+    val = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+    report["val"] = val[-1] if val else None
+
+    t0 = time.time()
+    cons = subprocess.run([sys.executable, str(ROOT / "pretrain" / "consolidate.py"), str(run_dir / "checkpoints"),
+                           "--output", str(workdir / "model.pt")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=cfg.trial_timeout * 2)
+    report["consolidate_rc"] = cons.returncode
+    report["consolidate_wall_s"] = round(time.time() - t0, 1)
+    report["consolidate_output"] = (cons.stdout + cons.stderr).strip().splitlines()[-1:] if (cons.stdout + cons.stderr).strip() else []
+    (workdir / "model.pt").unlink(missing_ok=True)
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="swa_gdn2_1.3B")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs on this machine to use (default: all)")
+    p.add_argument("--phase", choices=("all", "trainer", "search"), default="all")
+    p.add_argument("--seq-len", type=int, default=None, help="context length (default: the config's block size)")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out"))
+    p.add_argument("--time-budget", type=float, default=540.0, help="seconds; no new trial starts after that")
+    p.add_argument("--trainer-steps", type=int, default=8)
+    p.add_argument("--trainer-accum", type=int, default=4)
+    p.add_argument("--trainer-micro-batch", type=int, default=None)
+    p.add_argument("--trainer-ac", action="store_true", help="activation checkpointing in the trainer phase")
+    p.add_argument("--start-micro-batch", type=int, default=1)
+    p.add_argument("--max-micro-batch", type=int, default=32)
+    p.add_argument("--trial-steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--trial-timeout", type=float, default=300.0)
+    p.add_argument("--workdir", default="/tmp/gdn2_train_bench")
+    p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke test of this script
+    # child mode
+    p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ac", type=lambda s: s.lower() == "true", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trial:
+        run_trial(args)
+        return
+
+    import torch
+
+    started = time.time()
+    deadline = started + args.time_budget
+    args.gpus = args.gpus or torch.cuda.device_count() or (1 if args.allow_cpu else 0)
+    if args.gpus < 1:
+        raise SystemExit("no CUDA device: this benchmark needs GPUs")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report: dict = {"config": args.config, "gpus": args.gpus, "device": device,
+                    "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.phase in ("all", "trainer"):
+        print(f"[trainer] {args.config} on {args.gpus} GPU(s): pretrain/main.py, resume, consolidate", flush=True)
+        report["trainer"] = trainer_phase(args, workdir)
+        print(json.dumps(report["trainer"], indent=1), flush=True)
+    if args.phase in ("all", "search"):
+        print(f"[search] largest micro-batch of {args.config} on {args.gpus} GPU(s)", flush=True)
+        trials = search(args, workdir, deadline)
+        report["trials"] = trials
+        report["largest_micro_batch"] = {
+            ("with" if ac else "without") + "_activation_checkpointing":
+                max((t["micro_batch"] for t in trials if t.get("ok") and t["activation_checkpointing"] == ac), default=None)
+            for ac in (False, True)}
+    report["wall_s"] = round(time.time() - started, 1)
+
+    print(f"\n{args.config}, {args.gpus} x {report['device']}")
+    print("| phase | AC | micro-batch | tokens/s/GPU | MFU | peak memory GiB |")
+    print("|---|---|---|---|---|---|")
+    t = report.get("trainer")
+    if t and "tokens_per_sec_per_gpu" in t:
+        mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "-"
+        print(f"| trainer (main.py) | {t['activation_checkpointing']} | {t['micro_batch']} x {t['grad_accum']} accum | "
+              f"{t['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {t['peak_memory_gib']:.1f} |")
+    for r in report.get("trials", []):
+        if r.get("ok"):
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+            print(f"| trial | {r['activation_checkpointing']} | {r['micro_batch']} | {r['tokens_per_sec_per_gpu']:,.0f} | "
+                  f"{mfu} | {r['peak_memory_gib']:.1f} |")
+        else:
+            print(f"| trial | {r['activation_checkpointing']} | {r['micro_batch']} | {'OOM' if r.get('oom') else 'failed'} | - | - |")
+    if "largest_micro_batch" in report:
+        print(f"largest micro-batch: {report['largest_micro_batch']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"train_throughput_{Path(args.config).stem}_{args.gpus}gpu.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
