@@ -295,6 +295,12 @@ def check_resume_compatible(recipe: Recipe, checkpoint: Path, world_size: int) -
         raise ValueError(
             f"cannot resume from {checkpoint}: it was written by {marker['world_size']} ranks and this run has "
             f"{world_size}; the data order (and train.micro_batch_size) must stay the same for an exact resume")
+    # the data loader's position is a micro-batch count: it only carries over to the same sample sequence
+    for section, key in (("train", "micro_batch_size"), ("train", "seed"), ("data", "train")):
+        old, new = (saved.get(section) or {}).get(key), current[section][key]
+        if old != new:
+            raise ValueError(f"cannot resume from {checkpoint}: {section}.{key} changed ({old!r} -> {new!r}), so the "
+                             "data loader cannot continue the same sample sequence")
     changed = []
     for section, values in current.items():
         if section == "model":
@@ -337,7 +343,6 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     fabric.launch()
     rank0 = fabric.global_rank == 0
     _setup_logging(fabric.global_rank)
-    signals = StopSignals().install()
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
 
     out_dir = Path(recipe.out_dir)
@@ -439,6 +444,7 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     last_val: dict[int, float] = {}
     last_step_time = 0.0
     stop_reason = "finished"
+    signals = StopSignals().install()  # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly
     try:
         while state.step < plan.max_steps:
             if recipe.train.stop_at_step is not None and state.step >= recipe.train.stop_at_step:
