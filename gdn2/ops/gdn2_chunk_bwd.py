@@ -12,8 +12,8 @@ so the gates stay inside the products without any transposed inverse. Kernels:
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
 - ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg, with the pairwise decays of
-  Aqk and T differentiated exactly as the forward built them (anchored off-diagonal blocks, running
-  products on the diagonal blocks), and dg as a reverse cumulative sum of dG inside the chunk.
+  Aqk and T differentiated level by level as the forward built them (``level_anchor``), and dg as a
+  reverse cumulative sum of dG inside the chunk.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from gdn2.ops.gdn2_chunk_fwd import load_chunk_qkbg
-from gdn2.ops.gdn2_triton_utils import (block_sum_bcast, chunk_bounds, exp2_nonpos, pick_rows, row_of,
-                                        seq_bounds, tuned)
+from gdn2.ops.gdn2_triton_utils import chunk_bounds, exp2_nonpos, level_anchor, row_of, seq_bounds, tuned
 
 _SCAN_CONFIGS = [
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
@@ -134,11 +133,41 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
     tl.store(dtm + p_a, b_dtm, mask=m_t[:, None])
 
 
-# at K = V = 128: 4 warps spill ~1.8 KB per thread, 8 warps ~0.1 KB (BK 32) / 1.3 KB (BK 64)
+@triton.jit
+def qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, d: tl.constexpr, op_dt: tl.constexpr,
+               DOT_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Level d of the Aqk / T pairwise decays, differentiated: (dq, d(b*k), dk) contributions.
+
+    ``b_da`` / ``b_dtm`` are dAqk (times scale) and dT [BT, BT] fp32. Factors and operand dtypes as in
+    the forward's ``prep_level``.
+    """
+    o_t = tl.arange(0, BT)
+    g_an = level_anchor(b_G, d, BT, BK)
+    up = (o_t & (1 << d)) != 0
+    f = tl.exp2(tl.minimum(tl.where(up[:, None], b_G - g_an, g_an - b_G), 0.0))
+    f_r = tl.where(up[:, None], f, 0.0)
+    f_c = tl.where(up[:, None], 0.0, f)
+    # (row r in the upper half, column s in the lower half) of one group
+    m_rs = up[:, None] & ((o_t & (1 << d)) == 0)[None, :]
+    if d < 5:
+        m_rs = m_rs & ((o_t[:, None] >> (d + 1)) == (o_t[None, :] >> (d + 1)))
+    b_kc = (b_k * f_c).to(op_dt)
+    x_da = tl.where(m_rs, b_da, 0.0).to(op_dt)
+    x_dt = tl.where(m_rs, b_dtm, 0.0).to(op_dt)
+    x_q = f_r * tl.dot(x_da, b_kc, input_precision=DOT_PREC)
+    x_b = f_r * tl.dot(x_dt, b_kc, input_precision=DOT_PREC)
+    # column side: the transposes are of loaded tiles, never of a dot result
+    x_k = f_c * (tl.dot(tl.trans(x_da), (b_q * f_r).to(op_dt), input_precision=DOT_PREC)
+                 + tl.dot(tl.trans(x_dt), (b_bk * f_r).to(op_dt), input_precision=DOT_PREC))
+    return x_q, x_b, x_k
+
+
+# ptxas (sm_90, K = V = 128) spills per thread: BK 32 / 8 warps 1.4 KB, BK 16 / 8 warps 0.4 KB,
+# BK 32 / 4 warps 5 KB; the [64, 64] fp32 dAqk / dT tiles dominate. Autotuning picks on the GPU.
 _QKBG_CONFIGS = [
-    triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
     triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BK": 16, "BV": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
 ]
 
 
@@ -162,20 +191,50 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     o_t = tl.arange(0, BT)
     m_t = o_t < L
     row0 = t0.to(tl.int64) * H + i_h
-    blk = o_t // BC
-    r16 = o_t % BC
-    odd = (blk % 2) == 1
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q, b_k, b_b, b_G, b_eg = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
-    g_last = row_of(b_G, BT - 1, BT)
-    b_gam = tl.exp2(b_G)
-    b_tail = exp2_nonpos(g_last[None, :] - b_G)
+    b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
     b_bk = b_b * b_k
 
+    # intra-chunk part first (its [BT, BT] tiles die before the value loop): gradients of Aqk and T
+    # through their pairwise decays, level by level as the forward built them (see level_anchor)
+    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
+    b_da = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
+    b_dtm = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0)
+    da_diag = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_da, 0.0), axis=1)
+    b_dq_i = da_diag[:, None] * b_k
+    b_dkc = da_diag[:, None] * b_q
+    # (levels are spelled out: a static loop variable is not a constexpr under the interpreter)
+    b_dq_x, b_dbk, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 5, dt, DOT_PREC, BT, BK)
+    b_dq_i += b_dq_x
+    b_dkc += b_dk_x
+    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 4, dt, DOT_PREC, BT, BK)
+    b_dq_i += b_dq_x
+    b_dbk += b_db_x
+    b_dkc += b_dk_x
+    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 3, tl.float32, DOT_PREC,
+                                        BT, BK)
+    b_dq_i += b_dq_x
+    b_dbk += b_db_x
+    b_dkc += b_dk_x
+    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 2, tl.float32, DOT_PREC,
+                                        BT, BK)
+    b_dq_i += b_dq_x
+    b_dbk += b_db_x
+    b_dkc += b_dk_x
+    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 1, tl.float32, DOT_PREC,
+                                        BT, BK)
+    b_dq_i += b_dq_x
+    b_dbk += b_db_x
+    b_dkc += b_dk_x
+    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 0, tl.float32, DOT_PREC,
+                                        BT, BK)
+    b_dq_i += b_dq_x
+    b_dbk += b_db_x
+    b_dkc += b_dk_x
+
     # inter-chunk part: contractions over the value axis against the state checkpoints
-    b_at = tl.load(amat + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0).to(dt)
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
     b_dy = tl.zeros([BT, BK], dtype=tl.float32)
@@ -197,55 +256,11 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
         b_dkt += tl.dot(b_r, b_dht, input_precision=DOT_PREC)
         b_dy -= tl.dot(b_dr, b_ht, input_precision=DOT_PREC)
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
+    b_at = tl.load(amat + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0).to(dt)
     b_deb = tl.dot(b_at, b_dy.to(dt), input_precision=DOT_PREC)
-
-    # intra-chunk part: gradients of Aqk and T through their pairwise decays. The anchored
-    # off-diagonal products take the tiles in dt; the exact diagonal loop reads the diagonal blocks
-    # in fp32, compressed to [BT, BC] (row r holding columns BC*(r//BC) .. +BC).
-    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
-    p_at = row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None])
-    b_da = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0).to(dt)
-    b_dtm = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0).to(dt)
-    b_dat = tl.load(daqk + p_at, mask=m_t[None, :], other=0.0).to(dt)
-    b_dtt = tl.load(dtm + p_at, mask=m_t[None, :], other=0.0).to(dt)
-    # sub-chunks 2,3 x 0,1 anchored at row 32 (row and column sides; the transposed tiles were read
-    # straight from memory in that order)
-    g_an = row_of(b_G, 2 * BC, BT)
-    f_r = tl.where((o_t >= 2 * BC)[:, None], exp2_nonpos(b_G - g_an[None, :]), 0.0)
-    f_c = tl.where((o_t < 2 * BC)[:, None], exp2_nonpos(g_an[None, :] - b_G), 0.0)
-    b_kc = (b_k * f_c).to(dt)
-    b_dq_i = f_r * tl.dot(b_da, b_kc, input_precision=DOT_PREC)
-    b_dbk = f_r * tl.dot(b_dtm, b_kc, input_precision=DOT_PREC)
-    b_dkc = f_c * (tl.dot(b_dat, (b_q * f_r).to(dt), input_precision=DOT_PREC)
-                   + tl.dot(b_dtt, (b_bk * f_r).to(dt), input_precision=DOT_PREC))
-    # blocks (1,0) anchored at row 16 and (3,2) at row 48
-    m_pair = (blk[:, None] == blk[None, :] + 1) & odd[:, None]
-    m_pair_t = (blk[None, :] == blk[:, None] + 1) & odd[None, :]
-    g_an = tl.where((o_t < 2 * BC)[:, None], row_of(b_G, BC, BT)[None, :], row_of(b_G, 3 * BC, BT)[None, :])
-    f_r = tl.where(odd[:, None], exp2_nonpos(b_G - g_an), 0.0)
-    f_c = tl.where(odd[:, None], 0.0, exp2_nonpos(g_an - b_G))
-    b_kc = (b_k * f_c).to(dt)
-    b_dq_i += f_r * tl.dot(tl.where(m_pair, b_da, 0.0), b_kc, input_precision=DOT_PREC)
-    b_dbk += f_r * tl.dot(tl.where(m_pair, b_dtm, 0.0), b_kc, input_precision=DOT_PREC)
-    b_dkc += f_c * (tl.dot(tl.where(m_pair_t, b_dat, 0.0), (b_q * f_r).to(dt), input_precision=DOT_PREC)
-                    + tl.dot(tl.where(m_pair_t, b_dtt, 0.0), (b_bk * f_r).to(dt), input_precision=DOT_PREC))
-    # diagonal blocks, exact, column j of every sub-chunk at once (same running products as forward)
-    cb = tl.arange(0, BC)
-    p_dc = row0 * BT + (o_t[:, None] * (H * BT) + (blk * BC)[:, None] + cb[None, :])
-    b_dac = tl.load(daqk + p_dc, mask=m_t[:, None], other=0.0)
-    b_dtc = tl.load(dtm + p_dc, mask=m_t[:, None], other=0.0)
-    b_e = tl.zeros([BT, BK], dtype=tl.float32)
-    for jj in range(0, BC):
-        j = BC - 1 - jj
-        b_e = tl.where((r16 > j)[:, None], b_e * pick_rows(b_eg, j + 1, BT, BC, BK),
-                       tl.where((r16 == j)[:, None], 1.0, 0.0))
-        a_col = tl.sum(tl.where(cb[None, :] == j, b_dac, 0.0), axis=1)
-        t_col = tl.sum(tl.where(cb[None, :] == j, b_dtc, 0.0), axis=1)
-        b_ke = pick_rows(b_k, j, BT, BC, BK) * b_e
-        b_dq_i += a_col[:, None] * b_ke
-        b_dbk += t_col[:, None] * b_ke
-        b_x = (a_col[:, None] * b_q + t_col[:, None] * b_bk) * b_e
-        b_dkc += tl.where((r16 == j)[:, None], block_sum_bcast(b_x, BT, BC, BK), 0.0)
+    g_last = row_of(b_G, BT - 1, BT)
+    b_gam = tl.exp2(b_G)
+    b_tail = exp2_nonpos(g_last[None, :] - b_G)
 
     b_dq = b_dqg * scale * b_gam + b_dq_i
     b_dk_kt = b_dkt * b_tail             # through Kt = k * gamma_C / gamma

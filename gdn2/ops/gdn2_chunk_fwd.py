@@ -10,9 +10,12 @@ Per chunk of 64 rows (S0 = state at the chunk start, G = in-chunk cumulative log
 ``gdn2_fwd_scan_kernel`` (one program per sequence, head and value block) carries S across chunks,
 writes o, and optionally the per-chunk state checkpoints and R for the backward.
 
-No factor k/gamma is ever formed: off-diagonal 16x16 blocks are anchored at the first row of the later
-sub-chunk (both factors <= 1) and diagonal blocks use exact pairwise decays, built as running products
-of per-token decays, so log-decays of -20 per token (and far below) stay finite.
+No factor k/gamma is ever formed. Every pair r > s is computed at the level d of the highest bit in
+which r and s differ, as one masked product per level whose factors exp2(G_r - G_a) and
+exp2(G_a - G_s) are anchored at a row a with s < a <= r (``level_anchor``): both exponents are <= 0, so
+log-decays of -20 per token (and far below) stay finite. Levels 5 and 4 are the off-diagonal 16x16
+blocks (operands in the input dtype), levels 3..0 fill the diagonal blocks (fp32 operands, tf32 at most
+for 16-bit inputs) that the fp32 forward substitution inverts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (LOG2E, chunk_bounds, exp2_nonpos, pick_rows, row_of, seq_bounds,
+from gdn2.ops.gdn2_triton_utils import (LOG2E, chunk_bounds, exp2_nonpos, level_anchor, row_of, seq_bounds,
                                         tuned)
 
 @triton.jit
@@ -49,8 +52,7 @@ def invert_diag_blocks(tdc, BT: tl.constexpr, BC: tl.constexpr):
 def load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H: tl.constexpr, K: tl.constexpr):
     """q, k, b and the cumulative log2-decay G of one chunk and key block, all fp32 [BT, BK].
 
-    Also returns the per-token decays exp2(g2) (rows past the sequence end have g = 0, so G there
-    stays at the last valid row's value).
+    Rows past the sequence end load as zeros (g = 0, so G there stays at the last valid row's value).
     """
     base = row0 * K  # scalar int64; the in-tile offsets stay int32
     offs = o_t[:, None] * (H * K) + o_k[None, :]
@@ -59,14 +61,38 @@ def load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H: tl.constexpr, K: tl.cons
     b_k = tl.load(k + base + offs, mask=msk, other=0.0).to(tl.float32)
     b_b = tl.load(b + base + offs, mask=msk, other=0.0).to(tl.float32)
     b_g = tl.load(g + base + offs, mask=msk, other=0.0).to(tl.float32) * LOG2E
-    return b_q, b_k, b_b, tl.cumsum(b_g, axis=0), tl.exp2(b_g)
+    return b_q, b_k, b_b, tl.cumsum(b_g, axis=0)
 
 
-# 4 warps spill a few hundred bytes at K = 128, 8 warps none (ptxas, sm_90)
+@triton.jit
+def prep_level(b_q, b_k, b_bk, b_G, d: tl.constexpr, op_dt: tl.constexpr, DOT_PREC: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr):
+    """Contribution of level d to the unscaled Aqk and to T: pairs r > s whose highest differing bit
+    is d, as one product with factors exp2(G_r - G_an) and exp2(G_an - G_s), both <= 1.
+
+    ``op_dt`` is the dtype of the product's operands: the input dtype between sub-chunks, fp32
+    (tf32 at most) inside the 16x16 diagonal blocks, which feed the fp32 solve.
+    """
+    o_t = tl.arange(0, BT)
+    g_an = level_anchor(b_G, d, BT, BK)
+    up = (o_t & (1 << d)) != 0
+    f = tl.exp2(tl.minimum(tl.where(up[:, None], b_G - g_an, g_an - b_G), 0.0))
+    b_kct = tl.trans(tl.where(up[:, None], 0.0, b_k * f).to(op_dt))
+    a_qk = tl.dot(tl.where(up[:, None], b_q * f, 0.0).to(op_dt), b_kct, input_precision=DOT_PREC)
+    a_t = tl.dot(tl.where(up[:, None], b_bk * f, 0.0).to(op_dt), b_kct, input_precision=DOT_PREC)
+    if d < 5:
+        same = (o_t[:, None] >> (d + 1)) == (o_t[None, :] >> (d + 1))
+        a_qk = tl.where(same, a_qk, 0.0)
+        a_t = tl.where(same, a_t, 0.0)
+    return a_qk, a_t
+
+
+# ptxas (sm_90, K = V = 128) spills per thread: BK 32 / 8 warps 16 B, BK 64 / 8 warps 0.15 KB,
+# BK 32 / 4 warps 0.7 KB
 _PREP_CONFIGS = [
-    triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=1),
     triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=1),
     triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=1),
+    triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=1),
 ]
 
 
@@ -88,45 +114,37 @@ def gdn2_prep_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_i
     m_t = o_t < L
     row0 = t0.to(tl.int64) * H + i_h  # (token, head) row of the chunk's first token
     blk = o_t // BC
-    r16 = o_t % BC
-    cb = tl.arange(0, BC)
     dt = q.dtype.element_ty
-    odd = (blk % 2) == 1
-    m_pair = (blk[:, None] == blk[None, :] + 1) & odd[:, None]  # blocks (1,0) and (3,2)
 
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_toff = tl.zeros([BT, BT], dtype=tl.float32)
-    b_tdc = tl.zeros([BT, BC], dtype=tl.float32)
+    b_toff = tl.zeros([BT, BT], dtype=tl.float32)  # T between sub-chunks (levels 4, 5)
+    b_tin = tl.zeros([BT, BT], dtype=tl.float32)   # T inside the 16x16 diagonal blocks (levels 0-3)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q, b_k, b_b, b_G, b_eg = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
+        b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
         b_bk = b_b * b_k
-        # sub-chunks 2,3 x 0,1: one product anchored at row 32
-        g32 = row_of(b_G, 2 * BC, BT)
-        f_r = tl.where((o_t >= 2 * BC)[:, None], exp2_nonpos(b_G - g32[None, :]), 0.0)
-        f_c = tl.where((o_t < 2 * BC)[:, None], exp2_nonpos(g32[None, :] - b_G), 0.0)
-        b_kc = tl.trans((b_k * f_c).to(dt))
-        b_aqk += tl.dot((b_q * f_r).to(dt), b_kc, input_precision=DOT_PREC)
-        b_toff += tl.dot((b_bk * f_r).to(dt), b_kc, input_precision=DOT_PREC)
-        # blocks (1,0) anchored at row 16 and (3,2) at row 48, in one masked product
-        g_an = tl.where((o_t < 2 * BC)[:, None], row_of(b_G, BC, BT)[None, :], row_of(b_G, 3 * BC, BT)[None, :])
-        f_r = tl.where(odd[:, None], exp2_nonpos(b_G - g_an), 0.0)
-        f_c = tl.where(odd[:, None], 0.0, exp2_nonpos(g_an - b_G))
-        b_kc = tl.trans((b_k * f_c).to(dt))
-        b_aqk += tl.where(m_pair, tl.dot((b_q * f_r).to(dt), b_kc, input_precision=DOT_PREC), 0.0)
-        b_toff += tl.where(m_pair, tl.dot((b_bk * f_r).to(dt), b_kc, input_precision=DOT_PREC), 0.0)
-        # diagonal blocks in fp32, column j of every sub-chunk at once, j descending so that the
-        # pairwise decay E[r] = exp2(G_r - G_{sel_j(r)}) is a running product of per-token decays
-        b_e = tl.zeros([BT, BK], dtype=tl.float32)
-        for jj in range(0, BC):
-            j = BC - 1 - jj
-            b_e = tl.where((r16 > j)[:, None], b_e * pick_rows(b_eg, j + 1, BT, BC, BK),
-                           tl.where((r16 == j)[:, None], 1.0, 0.0))
-            b_ke = pick_rows(b_k, j, BT, BC, BK) * b_e
-            c_qk = tl.sum(b_q * b_ke, axis=1)
-            c_t = tl.where(r16 > j, tl.sum(b_bk * b_ke, axis=1), 0.0)
-            b_aqk += tl.where(o_t[None, :] == (blk * BC + j)[:, None], c_qk[:, None], 0.0)
-            b_tdc += tl.where(cb[None, :] == j, c_t[:, None], 0.0)
+        b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
+        # pairs r > s grouped by the highest bit where r and s differ; each level is one masked
+        # product with its factors anchored inside the pair (see level_anchor)
+        # (levels are spelled out: a static loop variable is not a constexpr under the interpreter)
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 5, dt, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_toff += a_t
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 4, dt, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_toff += a_t
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 3, tl.float32, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_tin += a_t
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 2, tl.float32, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_tin += a_t
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 1, tl.float32, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_tin += a_t
+        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 0, tl.float32, DOT_PREC, BT, BK)
+        b_aqk += a_qk
+        b_tin += a_t
 
     valid = m_t[:, None] & m_t[None, :]
     b_aqk = tl.where((o_t[:, None] >= o_t[None, :]) & valid, b_aqk * scale, 0.0)
@@ -135,7 +153,9 @@ def gdn2_prep_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_i
 
     # A = (I + T)^-1: invert the diagonal blocks, then with N = Ad Toff (nilpotent, N^4 = 0)
     # A = (I + N)^-1 Ad = Ad - N (Ad - N (Ad - N Ad)).
-    b_ad = invert_diag_blocks(tl.where(m_t[:, None], b_tdc, 0.0), BT, BC)
+    # compress the diagonal blocks to [BT, BC] (row r keeps columns BC*(r//BC) ..)
+    b_tdc = tl.sum(tl.reshape(tl.where(valid, b_tin, 0.0), (BT, BT // BC, BC)), axis=1)
+    b_ad = invert_diag_blocks(b_tdc, BT, BC)
     b_toff = tl.where((blk[:, None] > blk[None, :]) & valid, b_toff, 0.0)
     b_n = tl.dot(b_ad, b_toff, input_precision=DOT_PREC)
     b_x = b_ad - tl.dot(b_n, b_ad, input_precision=DOT_PREC)
@@ -148,7 +168,7 @@ def gdn2_prep_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_i
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q, b_k, b_b, b_G, b_eg = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
+        b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
         g_last = row_of(b_G, BT - 1, BT)
         b_gam = tl.exp2(b_G)
         offs = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])

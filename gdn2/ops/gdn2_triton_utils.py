@@ -112,17 +112,19 @@ def seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def block_sum_bcast(x, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """y[r] = sum of x over the rows of r's sub-chunk (x: [BT, BD])."""
-    s = tl.sum(tl.reshape(x, (BT // BC, BC, BD)), axis=1)
-    return tl.reshape(tl.broadcast_to(s[:, None, :], (BT // BC, BC, BD)), (BT, BD))
+def level_anchor(G, d: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Per row r of a [BT, BD] tile: G at the anchor row of r's group at level d.
 
-
-@triton.jit
-def pick_rows(x, j, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """y[r] = x[BC * (r // BC) + j]: row j of every sub-chunk, broadcast over that sub-chunk."""
+    Rows are grouped in blocks of 2^(d+1); the anchor is the first row of the upper half
+    (``((r >> (d+1)) << (d+1)) + 2^d``). Every pair (r, s) with r > s whose highest differing bit is
+    d has r in the upper half and s in the lower half of one group, so s < anchor <= r: with a
+    non-increasing G both exp2(G_r - G_anchor) and exp2(G_anchor - G_s) are <= 1.
+    """
+    GS: tl.constexpr = 2 << d
     r = tl.arange(0, BT)
-    return block_sum_bcast(tl.where((r % BC == j)[:, None], x, 0.0), BT, BC, BD)
+    sel = tl.where(((r % GS) == (GS // 2))[:, None], G, 0.0)
+    s = tl.sum(tl.reshape(sel, (BT // GS, GS, BD)), axis=1)
+    return tl.reshape(tl.broadcast_to(s[:, None, :], (BT // GS, GS, BD)), (BT, BD))
 
 
 @triton.jit

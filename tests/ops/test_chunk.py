@@ -85,6 +85,7 @@ CASES = [
     (2, 100, 2, 16, 32, True, True, None, True),
     (1, 130, 2, 16, 16, False, True, [0, 15, 100, 130], True),
     (1, 130, 1, 16, 16, True, False, [0, 15, 100, 130], False),
+    (1, 64, 1, 64, 64, True, True, None, False),  # several key and value blocks per program
 ]
 CPU_DTYPES = [torch.float32]
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else CPU_DTYPES
