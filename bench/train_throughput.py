@@ -13,7 +13,7 @@ on any rank ends only that trial), doubling the micro-batch until a trial fails,
 trial runs the trainer's own optimizer step (``gdn2.train.loop.train_step``) on random tokens.
 
 Prints a table and writes ``train_throughput_<config>_<gpus>gpu.json`` to ``--out`` (default ``$OUT``
-or ``bench/out``). Stops starting new trials once ``--time-budget`` seconds have passed.
+or ``bench_out``). Stops starting new trials once ``--time-budget`` seconds have passed.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=None, help="GPUs on this machine to use (default: all)")
     p.add_argument("--phase", choices=("all", "trainer", "search"), default="all")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default: the config's block size)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out"))
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"))
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; no new trial starts after that")
     p.add_argument("--trainer-steps", type=int, default=8)
     p.add_argument("--trainer-accum", type=int, default=4)

@@ -14,7 +14,7 @@ NGPU=${1:-1}
 CONFIG=${2:-swa_gdn2_1.3B}
 PHASE=${3:-all}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT=${OUT:-bench/out}
+OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 set -o pipefail
 python bench/train_throughput.py --config "$CONFIG" --gpus "$NGPU" --phase "$PHASE" --out "$OUT" \

@@ -2,7 +2,6 @@
 crash in the middle of a save; SLURM signal -> save -> requeue -> resume; non-finite loss skipping;
 wall-clock budget; refusals (other model, used folder)."""
 
-import json
 import os
 import signal
 import subprocess

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gdn2.train.recipe import load_recipe, make_plan, options_help, parse_text_value
+from gdn2.train.recipe import load_recipe, make_plan, parse_text_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pretrain"))
 import main as cli  # noqa: E402
