@@ -323,9 +323,26 @@ def _format_seconds(seconds: float) -> str:
     return f"{days}d {text}" if days else text
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced, e.g. by test capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+    """The ``gdn2`` loggers print on rank 0 (warnings only elsewhere); the root logger is left alone."""
+    logger = logging.getLogger("gdn2")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
