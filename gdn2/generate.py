@@ -392,7 +392,7 @@ def _data_folders(run: dict) -> list[str]:
     return folders
 
 
-def _tokenizer_from_saved(run: dict, bases: Sequence[Path]) -> Optional[Path]:
+def find_run_tokenizer(run: dict, bases: Sequence[Path]) -> Optional[Path]:
     """The tokenizer a saved run config leads to: ``data.tokenizer`` / ``tokenizer`` when recorded,
     else ``tokenizer.model`` in, or the ``manifest.json`` of, each data folder it trained on. Relative
     paths are tried against each of ``bases``."""
@@ -503,7 +503,7 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
         if tok is None:
             # relative data paths in a run config are relative to where the run was started
             bases = [Path.cwd(), *_search_dirs(path), Path(__file__).resolve().parent.parent]
-            tok = next((t for _, data in runs if (t := _tokenizer_from_saved(data, bases)) is not None), None)
+            tok = next((t for _, data in runs if (t := find_run_tokenizer(data, bases)) is not None), None)
         if tok is None:
             raise FileNotFoundError(
                 f"checkpoint {str(path)!r}: tokenizer missing: none of {', '.join(map(str, candidates))} exists and "

@@ -27,7 +27,7 @@ from gdn2.train.checkpoint import (list_checkpoints, load_checkpoint, read_check
                                    resolve_resume, rng_state, save_checkpoint, set_rng_state)
 from gdn2.train.loss import cross_entropy_fp32
 from gdn2.train.metrics import MetricsLog, model_flops_utilization, peak_bf16_flops
-from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
+from gdn2.train.optimizer import build_optimizer, clean_parameter_name, no_weight_decay_names
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
 from gdn2.train.slurm import SlurmJob, StopSignals, Topology, parse_duration, requeue, resolve_topology
@@ -233,6 +233,47 @@ class StepOutput:
     skipped: bool
     requeue_votes: int  # ranks that got SIGUSR1 / SIGTERM (stop, save, requeue under SLURM)
     stop_votes: int  # ranks that want to stop for another reason (Ctrl-C, wall-clock budget)
+
+
+def full_model_copy(fabric, model, config) -> GPT:
+    """A plain GPT on this rank's device holding the current full weights, for in-process evaluation
+    (under FSDP every rank gathers the whole model for the duration)."""
+    state: dict[str, torch.Tensor] = {}
+    if is_fsdp(fabric):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model.module, writeback=False):
+            for name, p in model.named_parameters():
+                state[clean_parameter_name(name)] = p.detach().clone()
+    else:
+        state = {clean_parameter_name(n): p.detach() for n, p in model.named_parameters()}
+    with torch.device("meta"):
+        plain = GPT(config)
+    plain.load_state_dict(state, assign=True)
+    return plain.to(fabric.device)
+
+
+def run_lm_eval(fabric, model, recipe: Recipe) -> dict[str, float]:
+    """lm-eval tasks (``lm_eval`` section) on the live model; every rank takes part, rank 0 logs."""
+    from gdn2.evaluation import LOCAL_TASKS, evaluate_model
+    from gdn2.generate import find_run_tokenizer
+
+    cfg = recipe.lm_eval
+    tokenizer = cfg.tokenizer or find_run_tokenizer(recipe.sections_dict(), [Path.cwd()])
+    if tokenizer is None:
+        raise FileNotFoundError("lm_eval.tokenizer: no tokenizer.model found in the training data folders "
+                                f"{recipe.data.train}; set lm_eval.tokenizer")
+    include = cfg.include_path
+    if include is not None and not Path(include).exists() and Path(include) == Path("eval/tasks"):
+        include = LOCAL_TASKS  # the repository's own tasks, wherever the run was started from
+    plain = full_model_copy(fabric, model, recipe.model)
+    limit = None if cfg.limit is None else (int(cfg.limit) if cfg.limit >= 1 else cfg.limit)
+    dtype = torch.bfloat16 if fabric.device.type == "cuda" else torch.float32
+    with torch.autocast(fabric.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        scores = evaluate_model(plain, tokenizer, cfg.tasks, limit=limit, include_path=include,
+                                batch_size=cfg.batch_size)
+    del plain
+    return {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
 
 
 def train_step(fabric, model, optimizer, batches, plan: TrainPlan, lr: float, grad_clip: Optional[float],
@@ -448,6 +489,12 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
                      ", ".join(f"{length} tokens loss {v:.4f}" for length, v in losses.items()))
         return losses
 
+    def lm_evaluate() -> None:
+        scores = run_lm_eval(fabric, model, recipe)
+        metrics.log(state.step, {f"lm_eval/{k}": v for k, v in scores.items()}, kind="lm_eval")
+        if rank0:
+            log.info("step %d lm-eval: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+
     from tqdm.auto import tqdm
 
     # a bar on a terminal; in a log file (SLURM) one line per logging interval instead
@@ -525,6 +572,9 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             e, c = recipe.eval, recipe.checkpoint
             if e.interval and state.step % e.interval == 0 and (state.step < plan.max_steps or not e.at_end):
                 last_val = validate()
+            le = recipe.lm_eval
+            if le.interval and state.step % le.interval == 0 and (state.step < plan.max_steps or not le.at_end):
+                lm_evaluate()
             # no periodic checkpoint inside a run of skipped steps: it would rotate out older good ones
             periodic = (c.interval and state.step % c.interval == 0 and state.consecutive_nonfinite == 0
                         and (state.step < plan.max_steps or not c.at_end))
@@ -544,6 +594,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
         if stop_reason == "finished":
             if recipe.eval.at_end:
                 last_val = validate()
+            if recipe.lm_eval.at_end:
+                lm_evaluate()
             if recipe.checkpoint.at_end:
                 last_checkpoint = checkpoint_now()
     finally:

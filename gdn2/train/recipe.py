@@ -86,6 +86,18 @@ class EvalConfig:
 
 
 @dataclass
+class LmEvalConfig:
+    interval: int = _opt(0, "run lm-eval tasks every this many optimizer steps; 0: never")
+    tasks: list[str] = _opt(["gdn2_local"], "lm-eval task or group names (eval/tasks holds offline ones)")
+    limit: Optional[float] = _opt(None, "examples per task: an integer count, or a fraction below 1; "
+                                        "null: all")
+    batch_size: int = _opt(8, "sequences per scoring batch")
+    include_path: Optional[str] = _opt("eval/tasks", "folder of extra task YAMLs; null: lm-eval's own only")
+    tokenizer: Optional[str] = _opt(None, "SentencePiece model; null: tokenizer.model of the training data")
+    at_end: bool = _opt(False, "also run them after the last step")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = _opt(1000, "save every this many optimizer steps; 0: only at the end and on signals")
     keep_last: int = _opt(3, "keep this many complete checkpoints, delete older ones")
@@ -133,6 +145,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig,
     "data": DataConfig,
     "eval": EvalConfig,
+    "lm_eval": LmEvalConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
@@ -164,6 +177,7 @@ class Recipe:
     optimizer: OptimizerConfig
     data: DataConfig
     eval: EvalConfig
+    lm_eval: LmEvalConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     distributed: DistributedConfig
@@ -323,6 +337,14 @@ def _validate(recipe: Recipe) -> None:
          "eval.length_multipliers", f"must be a non-empty list of integers >= 1, got {e.length_multipliers}")
     if e.micro_batch_size is not None:
         need(e.micro_batch_size > 0, "eval.micro_batch_size", f"must be positive, got {e.micro_batch_size}")
+
+    le = recipe.lm_eval
+    need(le.interval >= 0, "lm_eval.interval", f"must be >= 0, got {le.interval}")
+    need(le.batch_size > 0, "lm_eval.batch_size", f"must be positive, got {le.batch_size}")
+    need(bool(le.tasks) or not (le.interval or le.at_end), "lm_eval.tasks", "must name at least one task")
+    if le.limit is not None:
+        need(le.limit > 0 and (le.limit < 1 or float(le.limit).is_integer()), "lm_eval.limit",
+             f"must be a count or a fraction below 1, got {le.limit}")
 
     need(c.interval >= 0, "checkpoint.interval", f"must be >= 0, got {c.interval}")
     need(c.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
