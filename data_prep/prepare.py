@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `import gdn2` / `import d
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, pack_header, read_header, token_dtype_for_vocab
+from gdn2.durable import fsync_dir
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -361,19 +362,6 @@ def _encode_unit_task(args: tuple) -> dict:
 # Output: shard writer and journal
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, payload: dict) -> None:
     """Write JSON so that a crash leaves either the old file or the new one, never a torn one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -383,7 +371,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def shard_name(prefix: str, index: int) -> str:
@@ -741,7 +729,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
     }
     write_json_atomic(output / MANIFEST_NAME, manifest)
     (output / JOURNAL_NAME).unlink()
-    _fsync_dir(output)
+    fsync_dir(output)
     if progress:
         kept = manifest["documents"]["kept"]
         print(f"{output}: {manifest['tokens']['train']:,} train tokens in {len(writers['train'].shards)} shards, "

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import yaml
 
+from gdn2.durable import fsync_dir
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -119,19 +121,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], rank_state: dict[str, Any],
                     config_yaml: str, info: dict[str, Any], keep_last: int,
                     before_commit: Optional[Callable[[], None]] = None) -> Path:
@@ -172,7 +161,7 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         prune_checkpoints(root, keep_last)
     fabric.barrier()
     return final
