@@ -6,7 +6,9 @@ lit-gpt naming: ``transformer.wte``, ``transformer.h``, ``transformer.ln_f``, ``
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -14,13 +16,14 @@ import torch.nn.functional as F
 
 from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention, rope_tables
-from gdn2.layers.decoding import DecodeContext
-from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
+from gdn2.layers.decoding import DecodeContext, optimizer_step_count
+from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache, GDN2DecodeWeights
 from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.packed import PackedPrompts
 
 __all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "PackedPrompts", "block_decode_step",
-           "flops_per_token", "positions_in_documents"]
+           "compiled_block_step", "DecodeWeights", "BlockDecodeWeights", "flops_per_token",
+           "positions_in_documents"]
 
 
 class MLP(nn.Module):
@@ -35,6 +38,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w3(F.silu(self.w1(x)) * self.w2(x))
+
+    @torch.no_grad()
+    def decode_weights(self) -> torch.Tensor:
+        """[2 * intermediate_size, d]: the rows of w1 then w2, for one GEMM in the decode step."""
+        if self.w1.weight.dtype != self.w2.weight.dtype or self.w1.weight.device != self.w2.weight.device:
+            raise ValueError(f"mlp: w1.weight ({self.w1.weight.dtype}, {self.w1.weight.device}) and w2.weight "
+                             f"({self.w2.weight.dtype}, {self.w2.weight.device}) differ in dtype or device")
+        return torch.cat([self.w1.weight, self.w2.weight], dim=0)
 
 
 class Block(nn.Module):
@@ -61,12 +72,126 @@ class Block(nn.Module):
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
-    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
-        """x: [B,1,d] -> [B,1,d]; see :meth:`GPT.decode_step`."""
+    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
+                    weights: Optional["BlockDecodeWeights"] = None) -> torch.Tensor:
+        """x: [B,1,d] -> [B,1,d]; see :meth:`GPT.decode_step`. With ``weights`` (this block's part of a
+        :class:`DecodeWeights`) the fused step runs: the same values, fewer kernels."""
+        if weights is not None:
+            return self._fused_decode_step(x, ctx, cache, weights)
         h = self.norm_1(x)
         h = self.mixer.decode_step(h, cache) if self.kind == "gdn2" else self.mixer.decode_step(h, ctx, cache)
         x = x + h
         return x + self.mlp(self.norm_2(x))
+
+    def _fused_decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
+                           weights: "BlockDecodeWeights") -> torch.Tensor:
+        B, _, d = x.shape
+        h = self.norm_1(x)
+        if self.kind == "gdn2":
+            heads, out = self.mixer.fused_decode_mix(h, cache, weights.mixer), self.mixer.o_proj
+        else:
+            heads, out = self.mixer.decode_attend(h, ctx, cache), self.mixer.proj
+        # x + out(heads) and x + w3(...) as GEMMs that take the residual as their addend (the output
+        # projections have no bias): no separate add kernels
+        x = torch.addmm(x.reshape(B, d), heads.reshape(B, -1), out.weight.t())
+        gate, up = F.linear(self.norm_2(x), weights.mlp_in).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(gate) * up, self.mlp.w3.weight.t())
+        return x.reshape(B, 1, d)
+
+    def decode_weight_sources(self) -> list[torch.Tensor]:
+        """The parameters this block's fused decode weights are copied from."""
+        mixer = self.mixer.decode_weight_sources() if self.kind == "gdn2" else []
+        return mixer + [self.mlp.w1.weight, self.mlp.w2.weight]
+
+    def decode_weights(self) -> "BlockDecodeWeights":
+        return BlockDecodeWeights(self.mlp.decode_weights(),
+                                  self.mixer.decode_weights() if self.kind == "gdn2" else None)
+
+
+@dataclass
+class BlockDecodeWeights:
+    """One block's fused decode-time tensors (see :class:`DecodeWeights`)."""
+
+    mlp_in: torch.Tensor  # [2 * intermediate_size, d]: w1 | w2
+    mixer: Optional[GDN2DecodeWeights] = None  # GDN-2 blocks; attention's qkv is one matrix already
+
+    def tensors(self) -> list[torch.Tensor]:
+        mixer = [] if self.mixer is None else [self.mixer.in_proj, self.mixer.low_rank, self.mixer.low_rank_bias,
+                                               self.mixer.conv, self.mixer.decay_rate]
+        return [self.mlp_in] + mixer
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple:
+    """What changes when a tensor is written in place (version counter) or replaced (identity, memory)."""
+    return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.shape, t.device) for t in tensors)
+
+
+class DecodeWeights:
+    """Decode-time copies of a GPT's weights in a fused layout, built by :meth:`GPT.prepare_decoding`.
+
+    Per GDN-2 block one matrix [q | k | v | b | w | f_proj[0] | g_proj[0]] (one GEMM for the seven
+    input projections), the two low-rank second stages as one block-diagonal GEMM, the three conv
+    taps side by side and the decay rate precomputed; per MLP one [w1 | w2] matrix. The parameters
+    (names, shapes, the training forward) are untouched: these are copies, about 0.55x the weight
+    bytes of a hybrid model (``nbytes``), freed with this object.
+
+    Keeping up with the parameters: the copies are stale when a source parameter was written in place
+    (its version counter: ``load_state_dict``, a torch.optim step with ``foreach``, ``with
+    torch.no_grad(): p.mul_(...)``), replaced (``p.data = ...``, ``load_state_dict(assign=True)``,
+    ``model.to(dtype)``), or when any ``torch.optim`` optimizer stepped since the copies were made
+    (fused optimizers do not bump version counters). :meth:`refresh` re-copies stale blocks (into the
+    same buffers when shapes and dtypes still match, so captured CUDA graphs stay valid);
+    :meth:`GPT.decode_step` refuses stale copies with a ValueError; :class:`gdn2.generate.Generator`
+    refreshes at the start of every ``generate`` call. Writes through ``p.data`` are invisible to
+    all of this: call ``refresh(force=True)`` after them.
+    """
+
+    def __init__(self, model: "GPT") -> None:
+        self.model = model
+        blocks = list(model.transformer.h)
+        self.blocks: list[BlockDecodeWeights] = [b.decode_weights() for b in blocks]
+        self._signatures = [_signature(b.decode_weight_sources()) for b in blocks]
+        self._optimizer_steps = optimizer_step_count()
+
+    def stale_blocks(self) -> list[int]:
+        """Indices of the blocks whose copies no longer match their parameters (see the class doc)."""
+        blocks = list(self.model.transformer.h)
+        if len(blocks) != len(self.blocks):
+            raise ValueError(f"the model has {len(blocks)} blocks, these decode weights {len(self.blocks)}: "
+                             "prepare them again with model.prepare_decoding()")
+        if optimizer_step_count() != self._optimizer_steps:
+            return list(range(len(blocks)))
+        return [i for i, b in enumerate(blocks) if _signature(b.decode_weight_sources()) != self._signatures[i]]
+
+    def is_current(self) -> bool:
+        return not self.stale_blocks()
+
+    @torch.no_grad()
+    def refresh(self, force: bool = False) -> bool:
+        """Re-copy the stale blocks (all of them with ``force``). Returns True when some tensor had to
+        be reallocated (its shape, dtype or device changed): steps captured over the old tensors,
+        e.g. CUDA graphs, must then be captured again. Returns False when everything was current or
+        was updated in place."""
+        stale = range(len(self.blocks)) if force else self.stale_blocks()
+        reallocated = False
+        blocks = list(self.model.transformer.h)
+        for i in stale:
+            fresh = blocks[i].decode_weights()
+            old = self.blocks[i].tensors()
+            new = fresh.tensors()
+            if len(old) == len(new) and all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                                             for a, b in zip(old, new)):
+                for a, b in zip(old, new):
+                    a.copy_(b)
+            else:
+                self.blocks[i] = fresh
+                reallocated = True
+            self._signatures[i] = _signature(blocks[i].decode_weight_sources())
+        self._optimizer_steps = optimizer_step_count()
+        return reallocated
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.blocks for t in b.tensors())
 
 
 class InferenceCache:
@@ -120,11 +245,40 @@ class InferenceCache:
         return any(isinstance(c, AttentionCache) and c.full_attention for c in self.layers)
 
 
-def block_decode_step(block: Block, x: torch.Tensor, ctx: DecodeContext,
-                      cache: Union[GDN2Cache, AttentionCache]) -> torch.Tensor:
-    """``block.decode_step(x, ctx, cache)`` as a free function: compiling it once serves every block
-    of a kind (torch.compile treats the module as an input, not as a constant)."""
-    return block.decode_step(x, ctx, cache)
+def block_decode_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
+                      weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+    """``block.decode_step(x, ctx, cache, weights)`` as a free function: compiling it once serves every
+    block of a kind (torch.compile treats the module as an input, not as a constant)."""
+    return block.decode_step(x, ctx, cache, weights)
+
+
+# One function per layer kind: torch.compile keeps its graphs per function (code object), and each
+# function may hold at most ``torch._dynamo.config.recompile_limit`` (8) of them, one per batch size.
+def _gdn2_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: GDN2Cache,
+                     weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+    return block.decode_step(x, ctx, cache, weights)
+
+
+def _attention_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache,
+                          weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+    return block.decode_step(x, ctx, cache, weights)
+
+
+@lru_cache(maxsize=None)
+def compiled_block_step(backend: str = "inductor", fullgraph: bool = False) -> Callable[..., torch.Tensor]:
+    """A ``block_step`` for :meth:`GPT.decode_step` that runs each block through ``torch.compile``
+    (static shapes). Shared by every caller in the process, so each graph (one per layer kind and
+    batch size) is compiled once per process; compiling takes seconds per graph (about 8-13 s for
+    both kinds of ``swa_gdn2_1.3B`` on an H200). Up to 8 batch sizes per layer kind stay compiled
+    (dynamo's recompile limit); beyond that dynamo warns and runs the extra ones uncompiled."""
+    steps = {"gdn2": torch.compile(_gdn2_block_step, backend=backend, fullgraph=fullgraph, dynamic=False),
+             "attention": torch.compile(_attention_block_step, backend=backend, fullgraph=fullgraph, dynamic=False)}
+
+    def step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: Any,
+             weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+        return steps[block.kind](block, x, ctx, cache, weights)
+
+    return step
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -212,22 +366,38 @@ class GPT(nn.Module):
         cache.ragged = min(int(p.numel()) for p in prompts) != packed.num_columns
         return logits
 
+    def prepare_decoding(self) -> DecodeWeights:
+        """The fused decode-time weight layout for :meth:`decode_step` (copies of the current weights;
+        see :class:`DecodeWeights` for how they follow later weight changes)."""
+        return DecodeWeights(self)
+
     def decode_step(self, tokens: torch.Tensor, cache: InferenceCache,
-                    block_step: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+                    block_step: Optional[Callable[..., torch.Tensor]] = None,
+                    weights: Optional[DecodeWeights] = None) -> torch.Tensor:
         """One token per row: tokens int64 [B] -> logits [B, vocab_size].
 
         Every cache update happens in place and nothing waits for the host, so a CUDA graph can
         capture this call and replay it. The token goes to column ``cache.column`` (advanced here on
         the device); ``cache.seen``, a host-side count, is left to the caller, since a replayed graph
         cannot update it. The caller also checks that a full-attention cache has room.
-        ``block_step(block, x, ctx, layer_cache)``, when given, runs each block instead of
-        ``Block.decode_step`` (e.g. a ``torch.compile``'d :func:`block_decode_step`).
+        ``weights`` (from :meth:`prepare_decoding`): run the fused step (the same logits, fewer
+        kernels); stale weights are a ValueError (``weights.refresh()`` updates them).
+        ``block_step(block, x, ctx, layer_cache, layer_weights)``, when given, runs each block instead
+        of ``Block.decode_step`` (e.g. :func:`compiled_block_step`).
         """
+        blocks = weights.blocks if weights is not None else [None] * len(self.transformer.h)
+        if weights is not None and not torch.compiler.is_compiling():
+            if weights.model is not self:
+                raise ValueError("weights were prepared for another model")
+            stale = weights.stale_blocks()
+            if stale:
+                raise ValueError(f"decode weights of blocks {stale} are stale (the parameters changed after "
+                                 "prepare_decoding()): call weights.refresh()")
         x = self.transformer.wte(tokens)[:, None]
         ctx = self._decode_context(cache)
         step = block_step or block_decode_step
         for i, block in enumerate(self.transformer.h):
-            x = step(block, x, ctx, cache.layers[i])
+            x = step(block, x, ctx, cache.layers[i], blocks[i])
         logits = self.lm_head(self.transformer.ln_f(x))[:, 0]
         cache.column.add_(1)
         return logits

@@ -170,6 +170,11 @@ class CausalSelfAttention(nn.Module):
         """One new token per row, with every cache update in place and no host synchronisation, so a
         CUDA graph can capture it. x: [B,1,d] -> [B,1,d]; ``ctx`` carries the RoPE tables, the ring
         slot and the visibility mask of this step (see ``GPT.decode_step``)."""
+        return self.proj(self.decode_attend(x, ctx, cache))
+
+    def decode_attend(self, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache) -> torch.Tensor:
+        """:meth:`decode_step` without the output projection: x [B,1,d] -> heads [B,1,n_head*head_size]
+        (the fused block step applies ``proj`` together with the residual add)."""
         B = x.shape[0]
         H, Hkv, D = self.n_head, self.n_kv, self.head_size
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -179,4 +184,4 @@ class CausalSelfAttention(nn.Module):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), cache.k.to(q.dtype).transpose(1, 2), cache.v.to(q.dtype).transpose(1, 2),
             attn_mask=ctx.visible[:, None, None, :], enable_gqa=Hkv != H)
-        return self.proj(o.transpose(1, 2).reshape(B, 1, H * D))
+        return o.transpose(1, 2).reshape(B, 1, H * D)

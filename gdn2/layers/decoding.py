@@ -5,6 +5,9 @@ layer has the same window, head size and ring-buffer layout) and hands them to t
 :class:`DecodeContext`. The steps that write into the cache (a key/value slot, the GDN-2 state) are
 registered as custom ops that declare what they mutate, so ``torch.compile`` sees the whole step as one
 graph and still updates the cache in place, which a captured CUDA graph relies on.
+
+:func:`optimizer_step_count` lets the fused decode-time weight copies (``gdn2.model.DecodeWeights``)
+notice optimizer steps that bypass version counters (fused optimizers).
 """
 
 from __future__ import annotations
@@ -13,8 +16,31 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gdn2.ops import fused_recurrent_gdn2
+
+
+_optimizer_steps = 0
+_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def optimizer_step_count() -> int:
+    """How many ``torch.optim`` optimizer steps this process has taken since the first call.
+
+    The first call registers a global post-step hook (an integer increment per step). Fused optimizers
+    (``AdamW(fused=True)``, the trainer's default on CUDA) write the parameters without bumping their
+    version counters, so this count is how copies of the weights learn that they may be stale.
+    """
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+    return _optimizer_steps
 
 
 @dataclass

@@ -25,21 +25,52 @@ INNER_GAIN = 2 ** -2.5  # Xavier gain of every linear inside the layer (referenc
 
 @dataclass
 class GDN2Cache:
-    """Decoding state of one GDN-2 layer: the fp32 recurrent state and the short-conv input tails."""
+    """Decoding state of one GDN-2 layer: the fp32 recurrent state and the short-conv input tails.
+
+    The tails of q, k and v live side by side in one buffer, so that the decode step updates them
+    with one copy; ``conv_q`` / ``conv_k`` / ``conv_v`` are views of it.
+    """
 
     state: torch.Tensor  # [B, HV, K, V] fp32
-    conv_q: torch.Tensor  # [B, conv_size - 1, key_dim]: the last pre-conv inputs
-    conv_k: torch.Tensor
-    conv_v: torch.Tensor  # [B, conv_size - 1, value_dim]
+    conv: torch.Tensor  # [B, conv_size - 1, 2 * key_dim + value_dim]: the last pre-conv inputs, q | k | v
+    key_dim: int
+
+    @property
+    def conv_q(self) -> torch.Tensor:
+        return self.conv[..., :self.key_dim]
+
+    @property
+    def conv_k(self) -> torch.Tensor:
+        return self.conv[..., self.key_dim: 2 * self.key_dim]
+
+    @property
+    def conv_v(self) -> torch.Tensor:
+        return self.conv[..., 2 * self.key_dim:]
 
     def reset(self) -> None:
         """Back to the empty state, in place (buffers a CUDA graph captured stay valid)."""
-        for t in (self.state, self.conv_q, self.conv_k, self.conv_v):
-            t.zero_()
+        self.state.zero_()
+        self.conv.zero_()
 
     def rows(self, n: int) -> "GDN2Cache":
         """A cache over the first ``n`` rows that shares this one's memory."""
-        return GDN2Cache(self.state[:n], self.conv_q[:n], self.conv_k[:n], self.conv_v[:n])
+        return GDN2Cache(self.state[:n], self.conv[:n], self.key_dim)
+
+
+@dataclass
+class GDN2DecodeWeights:
+    """One GDN-2 layer's parameters rearranged for the one-token decode step (built by
+    :meth:`GatedDeltaNet2.decode_weights`; copies, the parameters themselves are untouched)."""
+
+    # [2*key_dim + value_dim + key_dim + value_dim + 2*rank, d]: the rows of q_proj | k_proj | v_proj |
+    # b_proj | w_proj | f_proj[0] | g_proj[0], so one GEMM gives every projection of the input
+    in_proj: torch.Tensor
+    # [key_dim + value_dim, 2*rank] block diagonal: f_proj[1] on the decay's hidden units, g_proj[1] on
+    # the gate's; with ``low_rank_bias`` (0 | g_proj[1].bias) one GEMM gives both second stages
+    low_rank: torch.Tensor
+    low_rank_bias: torch.Tensor
+    conv: torch.Tensor  # [conv_size, 2*key_dim + value_dim] depthwise taps of q | k | v, oldest first
+    decay_rate: torch.Tensor  # fp32 [key_dim]: -exp(A_log) per key channel
 
 
 class ShortConv(nn.Conv1d):
@@ -154,10 +185,11 @@ class GatedDeltaNet2(nn.Module):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def init_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> GDN2Cache:
-        z = lambda dim: torch.zeros(batch_size, self.conv_size - 1, dim, device=device, dtype=dtype)  # noqa: E731
+        conv = torch.zeros(batch_size, self.conv_size - 1, 2 * self.key_dim + self.value_dim, device=device,
+                           dtype=dtype)
         state = torch.zeros(batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device,
                             dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        return GDN2Cache(state, z(self.key_dim), z(self.key_dim), z(self.value_dim))
+        return GDN2Cache(state, conv, self.key_dim)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decay g (fp32, <= 0), erase gate b (key axis) and write gate w (value axis) for x [B,T,d]."""
@@ -230,3 +262,69 @@ class GatedDeltaNet2(nn.Module):
                              cache.state)
         gate = self.g_proj(x).reshape(B, 1, HV, V)
         return self.o_proj(self.o_norm(o, gate).reshape(B, 1, self.value_dim))
+
+    # ---- fused decode step ------------------------------------------------------------------------
+    def decode_weight_sources(self) -> list[torch.Tensor]:
+        """The parameters :meth:`decode_weights` reads (what a refresh of the fused copies watches)."""
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.b_proj.weight,
+                self.w_proj.weight, self.f_proj[0].weight, self.g_proj[0].weight, self.f_proj[1].weight,
+                self.g_proj[1].weight, self.g_proj[1].bias, self.q_conv1d.weight, self.k_conv1d.weight,
+                self.v_conv1d.weight, self.A_log]
+
+    @torch.no_grad()
+    def decode_weights(self) -> GDN2DecodeWeights:
+        """Fresh copies of this layer's parameters in the layout of :meth:`fused_decode_mix`.
+
+        Matrices and conv taps in the dtype of ``q_proj.weight`` (the activations' dtype), the decay
+        rate in fp32 exactly as :meth:`_gates` computes it."""
+        first = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0]]
+        f1, g1 = self.f_proj[1], self.g_proj[1]
+        ref = self.q_proj.weight
+        dtype = ref.dtype
+        names = ("q_proj", "k_proj", "v_proj", "b_proj", "w_proj", "f_proj.0", "g_proj.0", "f_proj.1", "g_proj.1")
+        for name, lin in zip(names, first + [f1, g1]):
+            if lin.weight.dtype != dtype or lin.weight.device != ref.device:
+                raise ValueError(f"layer {self.layer_idx}: {name}.weight is {lin.weight.dtype} on "
+                                 f"{lin.weight.device}, q_proj.weight {dtype} on {ref.device}: the fused "
+                                 "decode projections need one dtype and device")
+        in_proj = torch.cat([lin.weight for lin in first], dim=0)
+        r, Kd, Vd = f1.in_features, self.key_dim, self.value_dim
+        low_rank = in_proj.new_zeros(Kd + Vd, 2 * r)
+        low_rank[:Kd, :r] = f1.weight
+        low_rank[Kd:, r:] = g1.weight
+        low_rank_bias = torch.cat([in_proj.new_zeros(Kd), g1.bias.to(dtype)])
+        conv = torch.cat([c.weight[:, 0, :].t() for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)],
+                         dim=1).to(dtype).contiguous()
+        decay_rate = -self.A_log.float().exp().repeat_interleave(self.head_k_dim)
+        return GDN2DecodeWeights(in_proj, low_rank, low_rank_bias, conv, decay_rate)
+
+    def fused_decode_mix(self, x: torch.Tensor, cache: GDN2Cache, weights: GDN2DecodeWeights) -> torch.Tensor:
+        """:meth:`decode_step` on the fused layout, without the output projection.
+
+        x: [B,1,d] -> the gated, normalised operator output [B,1,value_dim] (the block applies o_proj
+        together with the residual add). Two GEMMs instead of nine for the projections, the three
+        short convs as one op over the concatenated channels, the gates on slices of one output; the
+        state and conv tails are updated in place, without host synchronisation. The same arithmetic
+        as :meth:`decode_step` per element, up to the summation order inside the GEMMs.
+        """
+        B = x.shape[0]
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        Kd, Vd = self.key_dim, self.value_dim
+        proj = F.linear(x, weights.in_proj)  # [B, 1, 2Kd+Vd | Kd+Vd | 2r]
+        pre_conv, bw, hidden = proj.split([2 * Kd + Vd, Kd + Vd, weights.low_rank.shape[1]], dim=-1)
+        window = torch.cat([cache.conv.to(x.dtype), pre_conv], dim=1)  # [B, conv_size, C], oldest first
+        conv = F.silu((window * weights.conv).sum(1, keepdim=True))
+        cache.conv.copy_(window[:, 1:])
+        # the slices are contiguous at B = 1; at B > 1 the copies let the kernel read them densely
+        q, k, v = (t.contiguous() for t in conv.split([Kd, Kd, Vd], dim=-1))
+        # a non-finite hidden unit would leak into the other stage through the zero blocks, but it
+        # already makes this layer's output non-finite in the unfused step
+        # 2-D: a strided [B, 2r] view goes to one addmm (a 3-D strided input would be mm + add)
+        f, gate = F.linear(hidden.reshape(B, -1), weights.low_rank, weights.low_rank_bias).split([Kd, Vd], dim=-1)
+        g = weights.decay_rate * F.softplus(f.float() + self.dt_bias)
+        b, w = (t.contiguous() for t in torch.sigmoid(bw).split([Kd, Vd], dim=-1))
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        o = recurrent_decode(q.reshape(B, 1, H, K), k.reshape(B, 1, H, K), v.reshape(B, 1, HV, V),
+                             g.reshape(B, 1, H, K), b.reshape(B, 1, H, K), w.reshape(B, 1, HV, V), cache.state)
+        return self.o_norm(o, gate.reshape(B, 1, HV, V)).reshape(B, 1, Vd)
