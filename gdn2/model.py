@@ -22,8 +22,8 @@ from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.packed import PackedPrompts
 
 __all__ = ["GPT", "Block", "MLP", "RMSNorm", "InferenceCache", "PackedPrompts", "block_decode_step",
-           "compiled_block_step", "DecodeWeights", "BlockDecodeWeights", "flops_per_token",
-           "positions_in_documents"]
+           "compiled_block_step", "CompiledBlockStep", "decode_inputs", "decode_head", "DecodeWeights",
+           "BlockDecodeWeights", "flops_per_token", "positions_in_documents"]
 
 
 class MLP(nn.Module):
@@ -252,6 +252,16 @@ def block_decode_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: 
     return block.decode_step(x, ctx, cache, weights)
 
 
+def decode_inputs(model: "GPT", tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, DecodeContext]:
+    """The start of :meth:`GPT.decode_step`: token embeddings [B,1,d] and the step's DecodeContext."""
+    return model.transformer.wte(tokens)[:, None], model._decode_context(cache)
+
+
+def decode_head(model: "GPT", x: torch.Tensor) -> torch.Tensor:
+    """The end of :meth:`GPT.decode_step`: final norm and head, x [B,1,d] -> logits [B, vocab_size]."""
+    return model.lm_head(model.transformer.ln_f(x))[:, 0]
+
+
 # One function per layer kind: torch.compile keeps its graphs per function (code object), and each
 # function may hold at most ``torch._dynamo.config.recompile_limit`` (8) of them, one per batch size.
 def _gdn2_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: GDN2Cache,
@@ -264,21 +274,32 @@ def _attention_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cac
     return block.decode_step(x, ctx, cache, weights)
 
 
+class CompiledBlockStep:
+    """A ``block_step`` for :meth:`GPT.decode_step` whose pieces run through ``torch.compile`` (static
+    shapes): calling it runs one block (one compiled function per layer kind); ``inputs`` and ``head``
+    are the compiled :func:`decode_inputs` and :func:`decode_head`, which ``GPT.decode_step`` uses in
+    place of its own. Graphs are compiled on first use, one per function and batch size."""
+
+    def __init__(self, backend: str = "inductor", fullgraph: bool = False) -> None:
+        def compile_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
+
+        self.blocks = {"gdn2": compile_fn(_gdn2_block_step), "attention": compile_fn(_attention_block_step)}
+        self.inputs = compile_fn(decode_inputs)
+        self.head = compile_fn(decode_head)
+
+    def __call__(self, block: Block, x: torch.Tensor, ctx: DecodeContext, cache: Any,
+                 weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+        return self.blocks[block.kind](block, x, ctx, cache, weights)
+
+
 @lru_cache(maxsize=None)
-def compiled_block_step(backend: str = "inductor", fullgraph: bool = False) -> Callable[..., torch.Tensor]:
-    """A ``block_step`` for :meth:`GPT.decode_step` that runs each block through ``torch.compile``
-    (static shapes). Shared by every caller in the process, so each graph (one per layer kind and
-    batch size) is compiled once per process; compiling takes seconds per graph (about 8-13 s for
-    both kinds of ``swa_gdn2_1.3B`` on an H200). Up to 8 batch sizes per layer kind stay compiled
-    (dynamo's recompile limit); beyond that dynamo warns and runs the extra ones uncompiled."""
-    steps = {"gdn2": torch.compile(_gdn2_block_step, backend=backend, fullgraph=fullgraph, dynamic=False),
-             "attention": torch.compile(_attention_block_step, backend=backend, fullgraph=fullgraph, dynamic=False)}
-
-    def step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: Any,
-             weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
-        return steps[block.kind](block, x, ctx, cache, weights)
-
-    return step
+def compiled_block_step(backend: str = "inductor", fullgraph: bool = False) -> CompiledBlockStep:
+    """The process-wide :class:`CompiledBlockStep` for ``backend``: every caller shares its graphs,
+    so each (layer kind, batch size) compiles once per process. Compiling takes seconds per batch
+    size (about 8-13 s for ``swa_gdn2_1.3B`` on an H200). Up to 8 batch sizes per function stay
+    compiled (dynamo's recompile limit); beyond that dynamo warns and runs the extra ones eagerly."""
+    return CompiledBlockStep(backend, fullgraph)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -383,7 +404,8 @@ class GPT(nn.Module):
         ``weights`` (from :meth:`prepare_decoding`): run the fused step (the same logits, fewer
         kernels); stale weights are a ValueError (``weights.refresh()`` updates them).
         ``block_step(block, x, ctx, layer_cache, layer_weights)``, when given, runs each block instead
-        of ``Block.decode_step`` (e.g. :func:`compiled_block_step`).
+        of ``Block.decode_step``; its ``inputs`` and ``head`` attributes, when present, replace
+        :func:`decode_inputs` and :func:`decode_head` (see :func:`compiled_block_step`).
         """
         blocks = weights.blocks if weights is not None else [None] * len(self.transformer.h)
         if weights is not None and not torch.compiler.is_compiling():
@@ -393,12 +415,11 @@ class GPT(nn.Module):
             if stale:
                 raise ValueError(f"decode weights of blocks {stale} are stale (the parameters changed after "
                                  "prepare_decoding()): call weights.refresh()")
-        x = self.transformer.wte(tokens)[:, None]
-        ctx = self._decode_context(cache)
         step = block_step or block_decode_step
+        x, ctx = getattr(step, "inputs", decode_inputs)(self, tokens, cache)
         for i, block in enumerate(self.transformer.h):
             x = step(block, x, ctx, cache.layers[i], blocks[i])
-        logits = self.lm_head(self.transformer.ln_f(x))[:, 0]
+        logits = getattr(step, "head", decode_head)(self, x)
         cache.column.add_(1)
         return logits
 

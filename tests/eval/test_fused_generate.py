@@ -1,0 +1,127 @@
+"""Generator on the fused decode-time weights: the same tokens as the unfused path and as repeated
+full forward passes, also after the model's weights change between calls; the compile switch."""
+
+import pytest
+import torch
+
+from gdn2.config import Config
+from gdn2.generate import Generator, main
+from gdn2.model import GPT, InferenceCache, compiled_block_step
+
+MODELS = [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)), ("gdn2_tiny", {}),
+          ("transformer_tiny", {})]
+
+
+def _model(name, **kw):
+    torch.manual_seed(0)
+    m = GPT(Config.from_name(name, vocab_size=256, n_layer=2, **kw)).double().eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(50.0)  # logits far from ties
+    return m
+
+
+def _greedy_by_full_forward(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name,kw", MODELS)
+def test_fused_and_unfused_generators_agree_with_the_full_forward(name, kw):
+    model = _model(name, **kw)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 11, 1, 7)]
+    fused = Generator(model, max_batch_size=4)
+    plain = Generator(model, max_batch_size=4, fused=False)
+    assert fused.fused and not plain.fused and not fused.compile  # CPU: not compiled by default
+    got = fused.generate(prompts, max_new_tokens=6)
+    assert [c.tokens for c in got] == [c.tokens for c in plain.generate(prompts, max_new_tokens=6)]
+    assert [c.tokens for c in got] == [_greedy_by_full_forward(model, p, 6) for p in prompts]
+    assert plain._weights is None and fused._weights is not None
+    fused.release()
+    assert fused._weights is None
+
+
+def test_generator_follows_weight_changes_between_calls():
+    """A Generator kept across training steps and checkpoint loads decodes with the current weights."""
+    model = _model("swa_gdn2_tiny", sliding_window=6)
+    gen = Generator(model, max_batch_size=2)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    first = gen.generate(prompts, max_new_tokens=6)
+    kept = gen._weights
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for _ in range(3):
+        model.train()
+        idx = torch.randint(0, 256, (2, 12))
+        torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    trained = gen.generate(prompts, max_new_tokens=6)
+    assert [c.tokens for c in trained] == [_greedy_by_full_forward(model, p, 6) for p in prompts]
+    assert [c.tokens for c in trained] != [c.tokens for c in first]
+
+    other = _model("swa_gdn2_tiny", sliding_window=6)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p) * p.std().clamp_min(1e-3) + p.mean())
+    model.load_state_dict(other.state_dict())
+    loaded = gen.generate(prompts, max_new_tokens=6)
+    assert [c.tokens for c in loaded] == [_greedy_by_full_forward(other, p, 6) for p in prompts]
+    assert gen._weights is kept  # refreshed in place, not rebuilt
+
+
+def test_compiled_fused_step_traces_whole_and_matches_eager():
+    """Every compiled piece (inputs, one block step per layer kind, head) traces without graph breaks
+    (fullgraph) into one graph per piece at a batch size, and gives the eager fused step's logits."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = _model("swa_gdn2_tiny", sliding_window=6)
+    weights = model.prepare_decoding()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compiled_block_step("aot_eager", fullgraph=True)
+    prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]
+    eager_cache, compiled_cache = InferenceCache(model, 2, max_length=32), InferenceCache(model, 2, max_length=32)
+    tokens = torch.tensor([3, 4])
+    with torch.no_grad():
+        model.prefill(prompts, eager_cache)
+        model.prefill(prompts, compiled_cache)
+        for _ in range(8):  # past the window of 6: the ring buffer wraps
+            expected = model.decode_step(tokens, eager_cache, weights=weights)
+            got = model.decode_step(tokens, compiled_cache, compiled, weights)
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+            tokens = expected.argmax(-1)
+    assert counters["stats"]["unique_graphs"] == 4  # inputs, gdn2 block, attention block, head
+    for a, b in zip(eager_cache.layers, compiled_cache.layers):
+        for name, t in vars(a).items():
+            if torch.is_tensor(t):
+                torch.testing.assert_close(getattr(b, name), t, atol=1e-12, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_compile_switch_and_cli_flags(monkeypatch):
+    model = _model("gdn2_tiny")
+    assert Generator(model).compile is False  # CPU decoding stays uncompiled by default
+    gen = Generator(model, compile=True)
+    assert gen.compile and gen._block_step is compiled_block_step()
+    seen = {}
+
+    class Recorder(Generator):
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+            raise SystemExit(0)
+
+    import gdn2.generate as module
+
+    monkeypatch.setattr(module, "Generator", Recorder)
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: type("L", (), {"model": model, "tokenizer": None})())
+    for argv, expected in ((["--no-compile", "--no-fused"], (False, False)), (["--compile"], (True, True)),
+                           ([], (None, True))):
+        seen.clear()
+        with pytest.raises(SystemExit):
+            main(["--checkpoint", "x", "--prompt", "p"] + argv)
+        assert (seen["compile"], seen["fused"]) == expected
