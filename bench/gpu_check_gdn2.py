@@ -1,6 +1,7 @@
 """GPU accuracy of the GDN-2 kernels, ours and flash-linear-attention's, against float64 oracles.
 
     PYTHONPATH=. python bench/gpu_check_gdn2.py [--probe] [--quick] [--no-peer] [--fp32]
+    PYTHONPATH=/path/to/triton-3.6-site:. python bench/gpu_check_gdn2.py --aot [--pinned] [--fp32]   (no GPU)
 
 --probe  first AOT-compiles every autotuning config of our kernels for this GPU, each in its own
          process (a compiler crash cannot take the run down), prints registers / spills, and writes
@@ -134,20 +135,30 @@ def within(errs, tol):
 
 
 def accuracy_cases(quick: bool):
-    cases = []  # (label, B, T, H, harsh, with_h0, cu, l2)
+    """(label, B, T, H, harsh, with_h0, cu, l2). --quick keeps H = 16 and fixed-length batches first
+    (every kernel variant costs a compile on the first call: H = 1 and varlen are variants of their
+    own), then one varlen case, which the time budget may skip."""
+    if quick:
+        return [("T1 H16 realistic", 2, 1, 16, False, False, None, False),
+                ("T1 H16 harsh h0", 2, 1, 16, True, True, None, False),
+                ("T63 H16 realistic", 2, 63, 16, False, False, None, False),
+                ("T63 H16 harsh h0", 2, 63, 16, True, True, None, False),
+                ("T100 H16 harsh h0", 2, 100, 16, True, True, None, False),
+                ("T100 H16 l2norm h0", 2, 100, 16, False, True, None, True),
+                ("T4096 H16 realistic h0", 1, 4096, 16, False, True, None, False),
+                ("varlen H16 harsh h0", 1, 256, 16, True, True, [0, 15, 100, 256], False)]
+    cases = []
     for T in (1, 63, 64, 100):
         for H in (1, 16):
             cases.append((f"T{T} H{H} realistic", 2, T, H, False, False, None, False))
             cases.append((f"T{T} H{H} harsh h0", 2, T, H, True, True, None, False))
-        if not quick:
-            cases.append((f"T{T} H16 realistic h0", 2, T, 16, False, True, None, False))
+        cases.append((f"T{T} H16 realistic h0", 2, T, 16, False, True, None, False))
     for H in (1, 16):
         cases.append((f"varlen H{H} realistic", 1, 256, H, False, False, [0, 15, 100, 256], False))
         cases.append((f"varlen H{H} harsh h0", 1, 256, H, True, True, [0, 15, 100, 256], False))
     cases.append(("T100 H16 l2norm h0", 2, 100, 16, False, True, None, True))
     cases.append(("T4096 H16 realistic h0", 1, 4096, 16, False, True, None, False))
-    if not quick:
-        cases.append(("T4096 H1 harsh", 1, 4096, 1, True, False, None, False))
+    cases.append(("T4096 H1 harsh", 1, 4096, 1, True, False, None, False))
     return cases
 
 
@@ -174,14 +185,21 @@ def _run(fn, args, tol, label, impl, dtype):
     return row
 
 
-def run_accuracy(quick=False, with_peer=True, fp32=False):
+def run_accuracy(quick=False, with_peer=True, fp32=False, budget_s=None):
     """Ours on every case first, then the peer on the same inputs (its first-call autotuning is
-    slow, and must not starve our rows)."""
+    slow, and must not starve our rows). Cases that would start after ``budget_s`` seconds are
+    listed as skipped."""
     rows = []
     cases = accuracy_cases(quick)
     refs = []
+    t_start = time.time()
     for i, (label, B, T, H, harsh, with_h0, cu, l2) in enumerate(cases):
         t0 = time.time()
+        if budget_s is not None and t0 - t_start > budget_s:
+            print(f"{label:26s} ours  skipped (time budget)", flush=True)
+            rows.append(dict(case=label, impl="ours", dtype="bf16", ok=False, skipped=True))
+            cases = cases[:i]
+            break
         ins, h0, do, dht, cu_t = _case_tensors(i, B, T, H, harsh, with_h0, cu, l2)
         ref = oracle(ins, h0, do, dht, cu_t, l2)
         rows.append(_run(ours, (ins, h0, do, dht, cu_t, l2, ref), BF16_TOL, label, "ours", "bf16"))
@@ -240,6 +258,8 @@ def decode_accuracy(with_peer, ours_too=True):
 
 
 def _fmt(r):
+    if r.get("skipped"):
+        return f"{r['case']:26s} {r['impl']:5s} skipped (time budget)"
     if "error" in r:
         return f"{r['case']:26s} {r['impl']:5s} ERROR {r['error']}"
     vals = " ".join(f"{n}={r[n]:.1e}" + ("(abs)" if r.get(n + "_abs") else "") for n in NAMES if n in r)
@@ -250,6 +270,9 @@ def table(rows):
     head = f"| case | impl | {' | '.join(NAMES)} | within spec |"
     lines = [head, "|" + "---|" * (len(NAMES) + 3)]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['case']} | {r['impl']} | skipped (time budget) |")
+            continue
         if "error" in r:
             lines.append(f"| {r['case']} | {r['impl']} | error: {r['error']} |")
             continue
@@ -259,29 +282,59 @@ def table(rows):
 
 
 # --------------------------------------------------------------------------------------------------
-# compile probe
+# compile probe (on the GPU) and ahead-of-time compile check (no GPU: sm_90 through Triton's ptxas)
 # --------------------------------------------------------------------------------------------------
 
-def _probe_one(job):
-    """Compile one (kernel, config) for the current GPU in a fresh process; returns a result dict."""
-    kname, idx, dtype = job
+def _kernels():
+    from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
+    return {"gdn2_intra_kernel": F_.gdn2_intra_kernel, "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
+            "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
+            "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
+
+
+def _ptxas_usage(ptx: str):
+    """(registers, spill bytes) per thread from Triton's bundled ptxas -v on this PTX."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
     try:
+        out = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True)
+    finally:
+        os.unlink(f.name)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
+
+
+def _probe_one(job):
+    """Compile one (kernel, config, variant) in a fresh process; returns a result dict.
+
+    job = (kernel name, config index, dtype, variant flags, aot): with aot the target is sm_90 (no
+    GPU needed) and registers / spills come from ptxas -v; otherwise the current GPU is the target."""
+    kname, idx, dtype, flags, aot = job
+    flags = dict(flags)
+    try:
+        os.environ.pop("TRITON_INTERPRET", None)
         import triton
         from triton.compiler import ASTSource
 
-        from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
-
-        kernels = {"gdn2_prep_kernel": F_.gdn2_prep_kernel, "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
-                   "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
-                   "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
-        tuned = kernels[kname]
+        tuned = _kernels()[kname]
         cfg = tuned.configs[idx]
         fn = tuned.fn
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
         fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk"}
         ints = {"T", "NT", "SIZE"}
         consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False, STORE_U=True,
-                      STORE_A=False, SAVE_STATES=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+                      SAVE_STATES=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+        consts.update(flags)
         consts.update(cfg.kwargs)
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         sig = {}
@@ -298,37 +351,53 @@ def _probe_one(job):
                 sig[a] = "*fp32" if a in fp32_ptrs else "*" + dt
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         t = time.time()
-        target = triton.runtime.driver.active.get_current_target()
+        if aot:
+            from triton.backends.compiler import GPUTarget
+            target = GPUTarget("cuda", 90, 32)
+        else:
+            target = triton.runtime.driver.active.get_current_target()
         k = triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        k._init_handles()
-        return dict(kernel=kname, index=idx, dtype=dtype, ok=True, regs=k.n_regs, spills=k.n_spills,
+        if aot:
+            regs, spills = _ptxas_usage(k.asm["ptx"])
+        else:
+            k._init_handles()
+            regs, spills = k.n_regs, k.n_spills
+        variant = ",".join(f"{a}={b}" for a, b in flags.items())
+        return dict(kernel=kname, index=idx, dtype=dtype, variant=variant, ok=True, regs=regs, spills=spills,
                     shared=k.metadata.shared, seconds=round(time.time() - t, 1), config=str(cfg))
     except Exception as e:  # noqa: BLE001
         return dict(kernel=kname, index=idx, dtype=dtype, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def probe(dtypes=("bf16",)):
-    from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
+# kernel variants compiled by the probe besides each config: (kernel, flags)
+_VARIANTS = [("gdn2_intra_kernel", dict(STORE_U=True)), ("gdn2_intra_kernel", dict(STORE_U=False)),
+             ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=False)),
+             ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_qkbg_kernel", {})]
 
+
+def probe(dtypes=("bf16",), aot=False, pinned_only=False):
+    """Compile every config (or only the pinned first one) of every kernel variant, one process each."""
+    kernels = _kernels()
     jobs = []
-    for tuned in (F_.gdn2_prep_kernel, F_.gdn2_fwd_scan_kernel, B_.gdn2_bwd_scan_kernel, B_.gdn2_bwd_wy_kernel,
-                  B_.gdn2_bwd_qkbg_kernel):
-        for i in range(len(tuned.configs)):
+    for kname, flags in _VARIANTS:
+        n = 1 if pinned_only else len(kernels[kname].configs)
+        for i in range(n):
             for dt in dtypes:
-                jobs.append((tuned.fn.__name__, i, dt))
+                jobs.append((kname, i, dt, flags, aot))
     results = []
     ctx = mp.get_context("spawn")
-    with ctx.Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 2)), maxtasksperchild=1) as pool:
-        pending = {job: pool.apply_async(_probe_one, (job,)) for job in jobs}
+    with ctx.Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - (0 if aot else 2))), maxtasksperchild=1) as pool:
+        pending = {job: pool.apply_async(_probe_one, (job,)) for job in [(a, b, c, tuple(d.items()), e)
+                                                                           for a, b, c, d, e in jobs]}
         for job, res in pending.items():
             try:
-                r = res.get(timeout=240)
+                r = res.get(timeout=600)
             except Exception as e:  # noqa: BLE001  (a crashed worker or a hang)
                 r = dict(kernel=job[0], index=job[1], dtype=job[2], ok=False, error=f"{type(e).__name__}: {e}")
             results.append(r)
             if r["ok"]:
-                print(f"probe {r['kernel']:22s} #{r['index']} {r['dtype']} {r['config']:50s} regs={r['regs']} "
-                      f"spills={r['spills']} smem={r['shared']} {r['seconds']}s", flush=True)
+                print(f"probe {r['kernel']:22s} #{r['index']} {r['dtype']} {r['variant']:17s} {r['config']:52s} "
+                      f"regs={r['regs']} spills={r['spills']} smem={r['shared']} {r['seconds']}s", flush=True)
             else:
                 print(f"probe {r['kernel']:22s} #{r['index']} {r['dtype']} FAILED {r['error']}", flush=True)
     bad = sorted({f"{r['kernel']}:{r['index']}" for r in results if not r["ok"]})
@@ -338,22 +407,34 @@ def probe(dtypes=("bf16",)):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--aot", action="store_true",
+                    help="no GPU: compile every kernel config for sm_90 and print ptxas registers / spills")
+    ap.add_argument("--pinned", action="store_true", help="with --probe / --aot: only the pinned configs")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--fp32", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new case of ours after this many seconds (default: 60 with --quick)")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
-    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     import triton
+    if args.aot:
+        results, bad = probe(("bf16", "fp32") if args.fp32 else ("bf16",), aot=True, pinned_only=args.pinned)
+        print("failed:", ",".join(bad) or "none")
+        with open(os.path.join(OUT, "aot_gdn2.json"), "w") as f:
+            json.dump(dict(triton=triton.__version__, target="sm_90", results=results), f, indent=1)
+        return
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     res["triton"] = triton.__version__
     if args.probe:
-        results, bad = probe(("bf16", "fp32") if args.fp32 else ("bf16",))
+        results, bad = probe(("bf16", "fp32") if args.fp32 else ("bf16",), pinned_only=args.pinned)
         res["probe"] = results
         with open(os.path.join(OUT, "skip_configs.txt"), "w") as f:
             f.write(",".join(bad))
         print("configs to skip:", ",".join(bad) or "none", flush=True)
     else:
-        rows = run_accuracy(args.quick, not args.no_peer, args.fp32)
+        budget = args.budget_s if args.budget_s is not None else (60.0 if args.quick else None)
+        rows = run_accuracy(args.quick, not args.no_peer, args.fp32, budget)
         res["accuracy"] = rows
         print("\n## Accuracy vs float64 oracle (bf16 unless marked; K = V = 128)\n")
         print(table(rows))

@@ -1,13 +1,16 @@
 """Benchmark of the GDN-2 operator: ours (Triton) beside flash-linear-attention's, in the same run.
 
-    PYTHONPATH=. python bench/ops_gdn2.py [--quick] [--no-peer] [--accuracy] [--profile]
+    PYTHONPATH=. python bench/ops_gdn2.py [--quick] [--no-peer] [--accuracy] [--profile] [--budget-s S]
 
 Per training shape (bf16 q/k/v/b/w, fp32 g, K = V = 128): forward time (inference, no saved state),
 forward + backward time, the memory-traffic floor (bytes each must move / measured copy bandwidth) and
 the activation memory kept for the backward. Decode: one token through the recurrent kernels at batch
-1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench. --accuracy also
-runs bench/gpu_check_gdn2.py's accuracy table; --profile prints the per-kernel split of one
-forward + backward. Writes $OUT/ops_gdn2.json (./bench_out without $OUT).
+1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench (warmup 10 ms,
+rep 50 ms). Order: ours at every shape, our decode, --profile (per-kernel CUDA time of ours at
+8 x 4096 x 16, forward + backward and inference forward), then the peer (whose first calls autotune
+for a long time) shape by shape while --budget-s seconds are left. The JSON is rewritten after every
+stage, so a cut run keeps what it measured. --accuracy also runs bench/gpu_check_gdn2.py's accuracy
+table. Writes $OUT/ops_gdn2.json (./bench_out without $OUT).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -41,14 +45,17 @@ def rec(key, value):
     print(f"{key}: {value}", flush=True)
 
 
-def median_ms(fn, warmup=25, rep=200):
+T_START = time.time()
+
+
+def median_ms(fn, warmup=10, rep=50):
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def copy_bandwidth():
     x = torch.empty(2 * 1024 ** 3, device="cuda", dtype=torch.uint8)
     y = torch.empty_like(x)
-    t = median_ms(lambda: y.copy_(x), 10, 100)
+    t = median_ms(lambda: y.copy_(x))
     del x, y
     return 2 * 2 * 1024 ** 3 / (t * 1e-3)  # bytes read + written per second
 
@@ -76,6 +83,11 @@ def ours_chunk(*ins, **kw):
     return chunk_gdn2(*ins, backend="triton", **kw)
 
 
+def save():
+    with open(os.path.join(OUT, "ops_gdn2.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def bench_training(B, T, H, impls, bw):
     tag = f"{B}x{T}x{H}"
     ins = gpu_inputs(B, T, H, K, V, seed=1)
@@ -83,6 +95,7 @@ def bench_training(B, T, H, impls, bw):
     rec(f"floor_fwd_ms_{tag}", round(fwd_floor / bw * 1e3, 3))
     rec(f"floor_fwdbwd_ms_{tag}", round(total_floor / bw * 1e3, 3))
     for name, fn in impls:
+        t_first = time.time()
         try:
             with torch.inference_mode():
                 t = median_ms(lambda: fn(*ins))
@@ -109,7 +122,9 @@ def bench_training(B, T, H, impls, bw):
             del leaves, do
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+        rec(f"{name}_wall_s_{tag}", round(time.time() - t_first, 1))  # compile / autotune included
         torch.cuda.empty_cache()
+    save()
 
 
 def bench_decode(impls):
@@ -126,41 +141,57 @@ def bench_decode(impls):
                 rec(f"{name}_decode_us_B{Bd}", round(t * 1e3, 1))
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-        try:
-            cache = st.clone()
-            with torch.inference_mode():
-                t = median_ms(lambda: fused_recurrent_gdn2(*ins, initial_state=cache, inplace_final_state=True,
-                                                           backend="triton"))
-            rec(f"ours_inplace_decode_us_B{Bd}", round(t * 1e3, 1))
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        if any(name == "ours" for name, _ in impls):
+            try:
+                cache = st.clone()
+                with torch.inference_mode():
+                    t = median_ms(lambda: fused_recurrent_gdn2(*ins, initial_state=cache, inplace_final_state=True,
+                                                               backend="triton"))
+                rec(f"ours_inplace_decode_us_B{Bd}", round(t * 1e3, 1))
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    save()
 
 
-def profile_split(impls):
-    """Per-kernel CUDA time of one forward + backward at 8 x 4096 x 16."""
+def profile_split(fn, name="ours", reps=5):
+    """Per-kernel CUDA time (ms per call of the operator) at 8 x 4096 x 16: one forward + backward and
+    one inference forward, each averaged over ``reps`` profiled calls."""
     from torch.profiler import ProfilerActivity, profile
 
     ins = gpu_inputs(8, 4096, 16, K, V, seed=3)
-    for name, fn in impls:
-        leaves = [x.detach().requires_grad_() for x in ins]
-        for _ in range(2):
-            o, _ = fn(*leaves)
-            o.backward(torch.ones_like(o))
+    leaves = [x.detach().requires_grad_() for x in ins]
+    do = torch.randn(8, 4096, 16, V, device="cuda", dtype=ins[0].dtype)
+
+    def fb():
+        for x in leaves:
+            x.grad = None
+        o, _ = fn(*leaves)
+        o.backward(do)
+
+    def fwd():
+        with torch.inference_mode():
+            fn(*ins)
+
+    for label, step in (("fwdbwd", fb), ("fwd", fwd)):
+        step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            o, _ = fn(*leaves)
-            o.backward(torch.ones_like(o))
+            for _ in range(reps):
+                step()
             torch.cuda.synchronize()
         rows = []
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
             if t > 0:
-                rows.append((e.key, t / 1e3, e.count))
+                rows.append((e.key, t / 1e3 / reps, e.count / reps))
         rows.sort(key=lambda r: -r[1])
-        print(f"\nper-kernel split, {name}, one fwd+bwd at 8x4096x16 (ms, calls):")
-        for key, ms, n in rows[:14]:
-            print(f"  {ms:8.3f} {n:3d}  {key[:90]}")
-        res[f"{name}_profile_ms"] = {k: round(ms, 4) for k, ms, _ in rows[:20]}
+        total = sum(ms for _, ms, _ in rows)
+        print(f"\nper-kernel CUDA time, {name} {label} at 8x4096x16 (ms per call, launches per call); "
+              f"sum {total:.3f} ms", flush=True)
+        for key, ms, n in rows[:16]:
+            print(f"  {ms:8.3f} {n:4.1f}  {key[:90]}")
+        res[f"{name}_profile_{label}_ms"] = {k: round(ms, 4) for k, ms, _ in rows[:24]}
+    save()
 
 
 def main():
@@ -169,6 +200,8 @@ def main():
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--accuracy", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=170.0,
+                    help="start no peer shape after this many seconds of the run")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     rec("gpu", torch.cuda.get_device_name())
@@ -176,19 +209,27 @@ def main():
     rec("triton", triton.__version__)
     bw = copy_bandwidth()
     rec("copy_bw_Bps", round(bw))
-    fla_chunk, fla_rec = (None, None) if args.no_peer else peer_ops()
-    train = [("ours", ours_chunk)] + ([("fla", fla_chunk)] if fla_chunk else [])
-    for shape in SHAPES[:1] if args.quick else SHAPES:
-        bench_training(*shape, train, bw)
-    dec = [("ours", lambda *a, **kw: fused_recurrent_gdn2(*a, backend="triton", **kw))]
-    if fla_rec:
-        dec.append(("fla", fla_rec))
-    bench_decode(dec)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    # ours first, everywhere; the peer last (its first calls autotune)
+    for shape in shapes:
+        bench_training(*shape, [("ours", ours_chunk)], bw)
+    bench_decode([("ours", lambda *a, **kw: fused_recurrent_gdn2(*a, backend="triton", **kw))])
     if args.profile:
         try:
-            profile_split(train)
+            profile_split(ours_chunk)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+    rec("ours_done_s", round(time.time() - T_START, 1))
+    fla_chunk, fla_rec = (None, None) if args.no_peer else peer_ops()
+    if fla_chunk:
+        for shape in shapes:
+            if time.time() - T_START > args.budget_s:
+                rec(f"fla_skipped_{shape[0]}x{shape[1]}x{shape[2]}", "time budget")
+                continue
+            bench_training(*shape, [("fla", fla_chunk)], bw)
+    if fla_rec and time.time() - T_START <= args.budget_s:
+        bench_decode([("fla", fla_rec)])
+    rec("total_s", round(time.time() - T_START, 1))
     print("\n## GDN-2 operator, bf16, fp32 g, K = V = 128 (ms; median of do_bench)\n")
     print("| shape | floor fwd | ours fwd | fla fwd | floor fwd+bwd | ours fwd+bwd | fla fwd+bwd | speedup | "
           "saved MB ours | saved MB fla |")
@@ -205,15 +246,13 @@ def main():
     for Bd in (1, 64, 256):
         print(f"| batch {Bd} | {res.get(f'floor_decode_us_B{Bd}')} | {res.get(f'ours_decode_us_B{Bd}')} | "
               f"{res.get(f'ours_inplace_decode_us_B{Bd}')} | {res.get(f'fla_decode_us_B{Bd}')} |")
-    with open(os.path.join(OUT, "ops_gdn2.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save()
     if args.accuracy:
         from gpu_check_gdn2 import run_accuracy, table
         rows = run_accuracy(quick=args.quick, with_peer=not args.no_peer)
         res["accuracy"] = rows
         print(table(rows))
-        with open(os.path.join(OUT, "ops_gdn2.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        save()
 
 
 if __name__ == "__main__":

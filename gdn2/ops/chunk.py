@@ -17,7 +17,7 @@ import torch
 import triton
 
 from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
-from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_prep_kernel
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
 
@@ -27,23 +27,24 @@ def _size_bucket(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool, store_a: bool):
+def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
+    """Chunk-parallel part: Aqk, A, Y, (U), Kt, Qg, exp2(G_C) (see ``gdn2_intra_kernel``)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     aqk = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
-    amat = torch.empty(TT, H, CHUNK, device=dev, dtype=dt) if store_a else aqk
+    amat = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
     y = torch.empty_like(q)
     kt = torch.empty_like(q)
     qg = torch.empty_like(q)
     u = torch.empty(TT, H, V, device=dev, dtype=dt) if store_u else v
     gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
     cu, info, _ = lay.kernel_args(gcl)
-    gdn2_prep_kernel[(lay.NC, H)](
+    gdn2_intra_kernel[(lay.NC, H)](
         q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT,
-        _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
-        STORE_U=store_u, STORE_A=store_a, DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-    return aqk, (amat if store_a else None), y, (u if store_u else None), kt, qg, gcl
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
+        STORE_U=store_u, DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+    return aqk, amat, y, (u if store_u else None), kt, qg, gcl
 
 
 def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay: ChunkLayout,
@@ -56,7 +57,7 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     TT, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    aqk, _, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=True, store_a=False)
+    aqk, _, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=True)
     o = torch.empty(TT, H, V, device=dev, dtype=dt)
     ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
@@ -82,7 +83,7 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
-    aqk, amat, y, _, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=False, store_a=True)
+    aqk, amat, y, _, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=False)
     cu, info, off = lay.kernel_args(gcl)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     dr = torch.empty(TT, H, V, device=dev, dtype=dt)
@@ -106,7 +107,7 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     dg = torch.empty_like(g)
     gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
         q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
-        lay.T, lay.NT, _size_bucket(lay.NC * H), H=H, K=K, V=V, KP=padded(K), VP=padded(V),
+        lay.T, lay.NT, H=H, K=K, V=V, KP=padded(K), VP=padded(V),
         IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
     return dq, dk, dv, dg, db, dw, (dh0 if need_dh0 else None)
 

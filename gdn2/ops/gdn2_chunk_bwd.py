@@ -12,8 +12,10 @@ so the gates stay inside the products without any transposed inverse. Kernels:
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
 - ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg, with the pairwise decays of
-  Aqk and T differentiated level by level as the forward built them (``level_anchor``), and dg as a
-  reverse cumulative sum of dG inside the chunk.
+  Aqk and T differentiated block by block as the forward built them (16-row sub-chunks, the same
+  anchors and the same fast / exact diagonal paths), and dg as a reverse cumulative sum of dG inside
+  the chunk. For every pair the decay's gradient is +x*dx on the row side and -k*dk on the column
+  side, so dG needs only the intra-chunk dq, d(b*k), dk tiles, whatever the factorisation.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import load_chunk_qkbg
-from gdn2.ops.gdn2_triton_utils import chunk_bounds, exp2_nonpos, level_anchor, row_of, seq_bounds, tuned
+from gdn2.ops.gdn2_chunk_fwd import load_sub_chunk, scan_config
+from gdn2.ops.gdn2_triton_utils import cat4, chunk_bounds, exp2_nonpos, load_rows, seq_bounds, tuned
+
 
 _SCAN_CONFIGS = [
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
@@ -31,7 +34,7 @@ _SCAN_CONFIGS = [
 ]
 
 
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"})
+@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit
 def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
@@ -134,47 +137,102 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
 
 
 @triton.jit
-def qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, d: tl.constexpr, op_dt: tl.constexpr,
-               DOT_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Level d of the Aqk / T pairwise decays, differentiated: (dq, d(b*k), dk) contributions.
-
-    ``b_da`` / ``b_dtm`` are dAqk (times scale) and dT [BT, BT] fp32. Factors and operand dtypes as in
-    the forward's ``prep_level``.
-    """
-    o_t = tl.arange(0, BT)
-    g_an = level_anchor(b_G, d, BT, BK)
-    up = (o_t & (1 << d)) != 0
-    f = tl.exp2(tl.minimum(tl.where(up[:, None], b_G - g_an, g_an - b_G), 0.0))
-    f_r = tl.where(up[:, None], f, 0.0)
-    f_c = tl.where(up[:, None], 0.0, f)
-    # (row r in the upper half, column s in the lower half) of one group
-    m_rs = up[:, None] & ((o_t & (1 << d)) == 0)[None, :]
-    if d < 5:
-        m_rs = m_rs & ((o_t[:, None] >> (d + 1)) == (o_t[None, :] >> (d + 1)))
-    b_kc = (b_k * f_c).to(op_dt)
-    x_da = tl.where(m_rs, b_da, 0.0).to(op_dt)
-    x_dt = tl.where(m_rs, b_dtm, 0.0).to(op_dt)
-    x_q = f_r * tl.dot(x_da, b_kc, input_precision=DOT_PREC)
-    x_b = f_r * tl.dot(x_dt, b_kc, input_precision=DOT_PREC)
-    # column side: the transposes are of loaded tiles, never of a dot result
-    x_k = f_c * (tl.dot(tl.trans(x_da), (b_q * f_r).to(op_dt), input_precision=DOT_PREC)
-                 + tl.dot(tl.trans(x_dt), (b_bk * f_r).to(op_dt), input_precision=DOT_PREC))
-    return x_q, x_b, x_k
+def load_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, o_c, L, H: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr, TRANS: tl.constexpr):
+    """Block (i, j) of a token-major [TT, H, BT] chunk matrix as a [BC, BC] tile, or its transpose
+    (read in transposed order, no register transpose); rows at or past L read as zeros."""
+    rows = i * BC + o_c
+    if TRANS:
+        p = row0 * BT + (rows[None, :] * (H * BT) + (j * BC + o_c)[:, None])
+        x = tl.load(ptr + p, mask=(rows < L)[None, :], other=0.0)
+    else:
+        p = row0 * BT + (rows[:, None] * (H * BT) + (j * BC + o_c)[None, :])
+        x = tl.load(ptr + p, mask=(rows < L)[:, None], other=0.0)
+    return x
 
 
-# ptxas (sm_90, K = V = 128) spills per thread: BK 32 / 8 warps 1.4 KB, BK 16 / 8 warps 0.4 KB,
-# BK 32 / 4 warps 5 KB; the [64, 64] fp32 dAqk / dT tiles dominate. Autotuning picks on the GPU.
+@triton.jit
+def diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC: tl.constexpr, BK: tl.constexpr):
+    """Gradients of the exact diagonal block (see the forward's ``diag_columns``): dq, d(b*k), dk."""
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dbk = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    for s in range(0, BC):
+        sel = o_c == s
+        g_s = tl.sum(tl.where(sel[:, None], b_G, 0.0), axis=0)
+        k_s = tl.sum(tl.where(sel[:, None], b_k, 0.0), axis=0)
+        b_e = exp2_nonpos(b_G - g_s[None, :])
+        c_a = tl.sum(tl.where(sel[None, :], d_a, 0.0), axis=1)  # column s (rows r >= s are nonzero)
+        c_t = tl.sum(tl.where(sel[None, :], d_t, 0.0), axis=1)
+        b_dq += c_a[:, None] * b_e * k_s[None, :]
+        b_dbk += c_t[:, None] * b_e * k_s[None, :]
+        dk_s = tl.sum((c_a[:, None] * b_q + c_t[:, None] * b_bk) * b_e, axis=0)
+        b_dk = tl.where(sel[:, None], dk_s[None, :], b_dk)
+    return b_dq, b_dbk, b_dk
+
+
+@triton.jit
+def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i: tl.constexpr, a, o_c, o_k, L, H: tl.constexpr,
+                   K: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr):
+    """Sub-chunk i: gradients through its diagonal blocks (dq, d(b*k), dk, fp32 [BC, BK]) and the
+    tiles of the off-diagonal products (q*F, b*k*F, k*H, F, H), G and e, as in ``intra_sub_chunk``."""
+    b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
+    b_bk = b_b * b_k
+    d_a = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, False)
+    d_t = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, False)
+    if fast:
+        b_fm = tl.exp2(b_G - m[None, :])
+        b_km = tl.exp2(m[None, :] - b_G)
+        x_k = b_k * b_km
+        b_dq = b_fm * tl.dot(d_a, x_k, input_precision=DOT_PREC)
+        b_dbk = b_fm * tl.dot(d_t, x_k, input_precision=DOT_PREC)
+        d_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True)
+        d_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True)
+        b_dk = b_km * (tl.dot(d_at, b_q * b_fm, input_precision=DOT_PREC)
+                       + tl.dot(d_tt, b_bk * b_fm, input_precision=DOT_PREC))
+        b_f = b_fm * tl.exp2(m - a)[None, :]
+        b_h = b_km * tl.exp2(e - m)[None, :]
+    else:
+        b_f = tl.exp2(b_G - a[None, :])
+        b_h = tl.exp2(e[None, :] - b_G)
+        b_dq, b_dbk, b_dk = diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC, BK)
+    return b_q * b_f, b_bk * b_f, b_k * b_h, b_f, b_h, b_G, e, b_dq, b_dbk, b_dk
+
+
+@triton.jit
+def offdiag_grad(daqk, dtm, row0, i: tl.constexpr, j: tl.constexpr, qf_i, bf_i, kh_j, f_i, h_j, rho, o_c, L,
+                 H: tl.constexpr, op_dt: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr):
+    """Block (i, j), i > j, of Aqk and T differentiated: (dq_i, d(b*k)_i, dk_j) contributions, with
+    operands in ``op_dt`` (the input dtype, as in the forward). ``rho`` = exp2(a_i - e_j) <= 1 links the
+    two sub-chunks' anchors."""
+    d_a = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
+    d_t = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
+    x_k = (kh_j * rho[None, :]).to(op_dt)
+    dq = f_i * tl.dot(d_a, x_k, input_precision=DOT_PREC)
+    dbk = f_i * tl.dot(d_t, x_k, input_precision=DOT_PREC)
+    d_at = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
+    d_tt = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
+    dk = h_j * (tl.dot(d_at, (qf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC)
+                + tl.dot(d_tt, (bf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC))
+    return dq, dbk, dk
+
+
+# pinned first; ptxas (sm_90, triton 3.6, K = V = 128, bf16) spills per thread: BK 64 / BV 32 / 8 warps
+# none; BK 32 / BV 64 / 8 warps 16 B; BK 32 / BV 32 / 4 warps 56 B. BK 64 halves the programs that
+# re-read a chunk's dO, R, dR, dAqk, dT.
 _QKBG_CONFIGS = [
+    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 16, "BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
 ]
 
 
-@tuned(_QKBG_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BK": "KP", "BV": "VP"})
+@tuned(_QKBG_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
 @triton.jit
 def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq, dk, db, dg,
-                         cu, chunk_info, scale, T, NT, SIZE,
+                         cu, chunk_info, scale, T, NT,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                          VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -189,50 +247,57 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     i_h = tl.program_id(1)
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     o_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
     m_t = o_t < L
     row0 = t0.to(tl.int64) * H + i_h
+    base = row0 * K
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
-    b_bk = b_b * b_k
 
-    # intra-chunk part first (its [BT, BT] tiles die before the value loop): gradients of Aqk and T
-    # through their pairwise decays, level by level as the forward built them (see level_anchor)
-    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
-    b_da = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-    b_dtm = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0)
-    da_diag = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_da, 0.0), axis=1)
-    b_dq_i = da_diag[:, None] * b_k
-    b_dkc = da_diag[:, None] * b_q
-    # (levels are spelled out: a static loop variable is not a constexpr under the interpreter)
-    b_dq_x, b_dbk, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 5, dt, DOT_PREC, BT, BK)
-    b_dq_i += b_dq_x
-    b_dkc += b_dk_x
-    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 4, dt, DOT_PREC, BT, BK)
-    b_dq_i += b_dq_x
-    b_dbk += b_db_x
-    b_dkc += b_dk_x
-    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 3, tl.float32, DOT_PREC,
-                                        BT, BK)
-    b_dq_i += b_dq_x
-    b_dbk += b_db_x
-    b_dkc += b_dk_x
-    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 2, tl.float32, DOT_PREC,
-                                        BT, BK)
-    b_dq_i += b_dq_x
-    b_dbk += b_db_x
-    b_dkc += b_dk_x
-    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 1, tl.float32, DOT_PREC,
-                                        BT, BK)
-    b_dq_i += b_dq_x
-    b_dbk += b_db_x
-    b_dkc += b_dk_x
-    b_dq_x, b_db_x, b_dk_x = qkbg_level(b_q, b_k, b_bk, b_G, b_da, b_dtm, 0, tl.float32, DOT_PREC,
-                                        BT, BK)
-    b_dq_i += b_dq_x
-    b_dbk += b_db_x
-    b_dkc += b_dk_x
+    # intra-chunk part in 16-row sub-chunks: gradients of Aqk and T through their pairwise decays,
+    # block by block as the forward built them (sub-chunks spelled out: see gdn2_intra_kernel)
+    a0 = tl.zeros([BK], dtype=tl.float32)
+    qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    one = tl.full([BK], 1.0, dtype=tl.float32)
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq1 += x_q
+    dbk1 += x_b
+    dk0 += x_k
+    qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq2 += x_q
+    dbk2 += x_b
+    dk1 += x_k
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    dq2 += x_q
+    dbk2 += x_b
+    dk0 += x_k
+    qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq3 += x_q
+    dbk3 += x_b
+    dk2 += x_k
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 1, qf3, bf3, kh1, f3, h1, tl.exp2(e2 - e1), o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    dq3 += x_q
+    dbk3 += x_b
+    dk1 += x_k
+    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    dq3 += x_q
+    dbk3 += x_b
+    dk0 += x_k
+    b_dq_i = cat4(dq0, dq1, dq2, dq3, BC, BK)
+    b_dbk = cat4(dbk0, dbk1, dbk2, dbk3, BC, BK)
+    b_dkc = cat4(dk0, dk1, dk2, dk3, BC, BK)
+    b_G = cat4(G0, G1, G2, G3, BC, BK)
 
     # inter-chunk part: contractions over the value axis against the state checkpoints
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -258,9 +323,12 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
         b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     b_at = tl.load(amat + row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None]), mask=m_t[None, :], other=0.0).to(dt)
     b_deb = tl.dot(b_at, b_dy.to(dt), input_precision=DOT_PREC)
-    g_last = row_of(b_G, BT - 1, BT)
+    b_q = load_rows(q, base, o_t, o_k, L, H, K)
+    b_k = load_rows(k, base, o_t, o_k, L, H, K)
+    b_b = load_rows(b, base, o_t, o_k, L, H, K)
+    b_bk = b_b * b_k
     b_gam = tl.exp2(b_G)
-    b_tail = exp2_nonpos(g_last[None, :] - b_G)
+    b_tail = exp2_nonpos(e3[None, :] - b_G)
 
     b_dq = b_dqg * scale * b_gam + b_dq_i
     b_dk_kt = b_dkt * b_tail             # through Kt = k * gamma_C / gamma
@@ -269,11 +337,11 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     b_db = b_deb * b_k * b_gam + b_k * b_dbk
     # dG per row and channel; gamma_C enters through Kt and through the state decay
     b_dG = b_q * b_dq + b_k * (b_dk_eb - b_dk_kt - b_dkc) + b_bk * b_dbk
-    extra = tl.sum(b_k * b_dk_kt, axis=0) + tl.exp2(g_last) * b_dgl
+    extra = tl.sum(b_k * b_dk_kt, axis=0) + tl.exp2(e3) * b_dgl
     b_dG += tl.where((o_t == L - 1)[:, None], extra[None, :], 0.0)
     b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG
 
-    offs = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
+    offs = base + (o_t[:, None] * (H * K) + o_k[None, :])
     msk = m_t[:, None] & m_k[None, :]
     tl.store(dq + offs, b_dq.to(dq.dtype.element_ty), mask=msk)
     tl.store(dk + offs, b_dk.to(dk.dtype.element_ty), mask=msk)

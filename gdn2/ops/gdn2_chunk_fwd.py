@@ -6,16 +6,24 @@ Per chunk of 64 rows (S0 = state at the chunk start, G = in-chunk cumulative log
     A = (I + T)^-1,  Y = A (b*k*gamma),  U = A (w*v),  R = U - Y S0
     O = scale * (q*gamma) S0 + Aqk R,     S_C = Diag(gamma_C) S0 + (k*gamma_C/gamma)^T R
 
-``gdn2_prep_kernel`` (chunk-parallel) builds Aqk and A and the chunk-local operands of the scan;
+``gdn2_intra_kernel`` (chunk-parallel) builds Aqk and A and the chunk-local operands of the scan;
 ``gdn2_fwd_scan_kernel`` (one program per sequence, head and value block) carries S across chunks,
 writes o, and optionally the per-chunk state checkpoints and R for the backward.
 
-No factor k/gamma is ever formed. Every pair r > s is computed at the level d of the highest bit in
-which r and s differ, as one masked product per level whose factors exp2(G_r - G_a) and
-exp2(G_a - G_s) are anchored at a row a with s < a <= r (``level_anchor``): both exponents are <= 0, so
-log-decays of -20 per token (and far below) stay finite. Levels 5 and 4 are the off-diagonal 16x16
-blocks (operands in the input dtype), levels 3..0 fill the diagonal blocks (fp32 operands, tf32 at most
-for 16-bit inputs) that the fp32 forward substitution inverts.
+No factor k/gamma is ever formed. The chunk is handled as four sub-chunks of 16 rows; a_i is G at the
+row before sub-chunk i (a_0 = 0) and e_i = a_{i+1} is G at its last row. With
+
+    F_i(r) = exp2(G_r - a_i) <= 1 (r in i),     H_j(s) = exp2(e_j - G_s) <= 1 (s in j),
+
+a pair r in i > j of s is exp2(G_r - G_s) = F_i(r) * exp2(a_i - e_j) * H_j(s), every factor <= 1:
+the off-diagonal 16x16 blocks are products of [16, BK] tiles with no overflow at any decay (operands in
+the input dtype). The diagonal blocks are anchored at the sub-chunk's middle row m: factors
+exp2(G_r - G_m) and exp2(G_m - G_s) lie within [2^-FAST_SPAN, 2^FAST_SPAN] as long as each half of the
+sub-chunk decays by at most FAST_SPAN (log2), which holds for realistic gates; steeper sub-chunks
+take an exact column-by-column path with pairwise exp2(G_r - G_s), exponent <= 0. Diagonal blocks are
+built with fp32 operands (tf32 at most for 16-bit inputs) and inverted by fp32 forward substitution;
+the off-diagonal blocks of A follow by block substitution. Qg = q*gamma, Kt = k*gamma_C/gamma and
+Eb = b*k*gamma come from the same tiles times per-channel factors exp2(a_i), exp2(G_C - e_i) (<= 1).
 """
 
 from __future__ import annotations
@@ -23,161 +31,308 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (LOG2E, chunk_bounds, exp2_nonpos, level_anchor, row_of, seq_bounds,
-                                        tuned)
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, row_of,
+                                        seq_bounds, store_rows, tuned)
+
 
 @triton.jit
-def invert_diag_blocks(tdc, BT: tl.constexpr, BC: tl.constexpr):
-    """Block-diagonal ``(I + T_diag)^-1`` as a [BT, BT] tile.
+def diag_columns(b_q, b_k, b_bk, b_G, o_c, BC: tl.constexpr):
+    """Exact diagonal block, one key column s at a time: sum_c q_rc k_sc exp2(G_rc - G_sc) for r >= s
+    (Aqk) and the same with b*k for r > s (T); every exponent is <= 0."""
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_t = tl.zeros([BC, BC], dtype=tl.float32)
+    for s in range(0, BC):
+        sel = (o_c == s)[:, None]
+        g_s = tl.sum(tl.where(sel, b_G, 0.0), axis=0)
+        k_s = tl.sum(tl.where(sel, b_k, 0.0), axis=0)
+        b_ke = exp2_nonpos(b_G - g_s[None, :]) * k_s[None, :]
+        col = (o_c == s)[None, :]
+        d_qk = tl.where(col & (o_c >= s)[:, None], tl.sum(b_q * b_ke, axis=1)[:, None], d_qk)
+        d_t = tl.where(col & (o_c > s)[:, None], tl.sum(b_bk * b_ke, axis=1)[:, None], d_t)
+    return d_qk, d_t
 
-    ``tdc`` [BT, BC] holds the strictly lower diagonal blocks of T compressed: row r keeps
-    ``T[r, BC*(r//BC) + c]``. Each 16x16 block is inverted by fp32 forward substitution, all four at
-    once as a [BT//BC, BC, BC] tensor.
-    """
-    t3 = tl.reshape(tdc, (BT // BC, BC, BC))
-    i3 = tl.arange(0, BC)
-    ai = tl.zeros((BT // BC, BC, BC), dtype=tl.float32)  # (I + T)^-1 - I, filled row by row
+
+@triton.jit
+def load_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr,
+                   BC: tl.constexpr):
+    """q, k, b (fp32 [BC, BK]) of sub-chunk i and its cumulative log2-decay G = a + cumsum(g*log2 e);
+    also e (G at the last row), m (G at the middle row) and whether the anchored diagonal is safe."""
+    rows = i * BC + o_c
+    b_q = load_rows(q, base, rows, o_k, L, H, K)
+    b_k = load_rows(k, base, rows, o_k, L, H, K)
+    b_b = load_rows(b, base, rows, o_k, L, H, K)
+    b_G = a[None, :] + tl.cumsum(load_rows(g, base, rows, o_k, L, H, K) * LOG2E, axis=0)
+    e = row_of(b_G, BC - 1, BC)
+    m = row_of(b_G, BC // 2 - 1, BC)
+    fast = tl.max(tl.maximum(a - m, m - e), axis=0) <= FAST_SPAN
+    return b_q, b_k, b_b, b_G, e, m, fast
+
+
+@triton.jit
+def sub_chunk_factors(b_G, a, e, m, fast):
+    """fp32 [BC, BK] factors of one sub-chunk: F = exp2(G - a) and H = exp2(e - G) (<= 1, off-diagonal
+    products) and the middle-row anchored pair exp2(G - m), exp2(m - G) of the fast diagonal. The
+    latter are clamped to 2^FAST_SPAN, so a sub-chunk past the fast bound yields finite values that
+    the exact path later replaces; within the bound F and H are derived from them (no more exp2)."""
+    b_fm = tl.exp2(tl.minimum(b_G - m[None, :], FAST_SPAN))
+    b_km = tl.exp2(tl.minimum(m[None, :] - b_G, FAST_SPAN))
+    if fast:
+        # within the bound both products are normal numbers or truly negligible
+        b_f = b_fm * tl.exp2(m - a)[None, :]
+        b_h = b_km * tl.exp2(e - m)[None, :]
+    else:
+        b_f = tl.exp2(b_G - a[None, :])
+        b_h = tl.exp2(e[None, :] - b_G)
+    return b_fm, b_km, b_f, b_h
+
+
+@triton.jit
+def intra_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BC: tl.constexpr):
+    """Sub-chunk i: its diagonal blocks of Aqk (unscaled, r >= s) and T (r > s; fp32 [BC, BC], upper
+    triangle not cleared) by the anchored product, whether that product is exact (``fast``), the
+    tiles q*F, b*k*F, k*H of the off-diagonal products, and e."""
+    b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
+    b_bk = b_b * b_k
+    b_fm, b_km, b_f, b_h = sub_chunk_factors(b_G, a, e, m, fast)
+    b_kd = tl.trans(b_k * b_km)
+    d_qk = tl.dot(b_q * b_fm, b_kd, input_precision=DOT_PREC)
+    d_t = tl.dot(b_bk * b_fm, b_kd, input_precision=DOT_PREC)
+    return b_q * b_f, b_bk * b_f, b_k * b_h, e, d_qk, d_t, fast.to(tl.int32)
+
+
+@triton.jit
+def exact_diag(q, k, b, g, base, i: tl.constexpr, o_c, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+               BK: tl.constexpr):
+    """Diagonal blocks (Aqk unscaled, T) of sub-chunk i by ``diag_columns`` over all key blocks, with G
+    recomputed by the same chain of sub-chunk cumsums as the main loop (bit-identical anchors)."""
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_t = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        a = tl.zeros([BK], dtype=tl.float32)
+        for j in range(0, i):
+            b_G = a[None, :] + tl.cumsum(load_rows(g, base, j * BC + o_c, o_k, L, H, K) * LOG2E, axis=0)
+            a = row_of(b_G, BC - 1, BC)
+        b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
+        x_qk, x_t = diag_columns(b_q, b_k, b_b * b_k, b_G, o_c, BC)
+        d_qk += x_qk
+        d_t += x_t
+    return d_qk, d_t
+
+
+@triton.jit
+def invert4(t0, t1, t2, t3, o_c, BC: tl.constexpr):
+    """(I + t)^-1 of four strictly lower [BC, BC] fp32 blocks by forward substitution, side by side."""
+    x0 = tl.zeros([BC, BC], dtype=tl.float32)  # (I + t)^-1 - I, filled row by row
+    x1 = tl.zeros([BC, BC], dtype=tl.float32)
+    x2 = tl.zeros([BC, BC], dtype=tl.float32)
+    x3 = tl.zeros([BC, BC], dtype=tl.float32)
     for i in range(1, BC):
-        rm = (i3 == i)[None, :, None]
-        a = -tl.sum(tl.where(rm, t3, 0.0), axis=1)
-        a = a + tl.sum(a[:, :, None] * ai, axis=1)
-        ai = tl.where(rm, a[:, None, :], ai)
-    ai = tl.where((i3[:, None] == i3[None, :])[None, :, :], ai + 1.0, ai)
-    full = tl.reshape(tl.broadcast_to(tl.reshape(ai, (BT, BC))[:, None, :], (BT, BT // BC, BC)), (BT, BT))
-    r = tl.arange(0, BT)
-    return tl.where((r // BC)[:, None] == (r // BC)[None, :], full, 0.0)
+        rm = (o_c == i)[:, None]
+        r0 = -tl.sum(tl.where(rm, t0, 0.0), axis=0)
+        r1 = -tl.sum(tl.where(rm, t1, 0.0), axis=0)
+        r2 = -tl.sum(tl.where(rm, t2, 0.0), axis=0)
+        r3 = -tl.sum(tl.where(rm, t3, 0.0), axis=0)
+        x0 = tl.where(rm, (r0 + tl.sum(r0[:, None] * x0, axis=0))[None, :], x0)
+        x1 = tl.where(rm, (r1 + tl.sum(r1[:, None] * x1, axis=0))[None, :], x1)
+        x2 = tl.where(rm, (r2 + tl.sum(r2[:, None] * x2, axis=0))[None, :], x2)
+        x3 = tl.where(rm, (r3 + tl.sum(r3[:, None] * x3, axis=0))[None, :], x3)
+    eye = o_c[:, None] == o_c[None, :]
+    return tl.where(eye, x0 + 1.0, x0), tl.where(eye, x1 + 1.0, x1), tl.where(eye, x2 + 1.0, x2), \
+        tl.where(eye, x3 + 1.0, x3)
 
 
 @triton.jit
-def load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H: tl.constexpr, K: tl.constexpr):
-    """q, k, b and the cumulative log2-decay G of one chunk and key block, all fp32 [BT, BK].
-
-    Rows past the sequence end load as zeros (g = 0, so G there stays at the last valid row's value).
-    """
-    base = row0 * K  # scalar int64; the in-tile offsets stay int32
-    offs = o_t[:, None] * (H * K) + o_k[None, :]
-    msk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + base + offs, mask=msk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + base + offs, mask=msk, other=0.0).to(tl.float32)
-    b_b = tl.load(b + base + offs, mask=msk, other=0.0).to(tl.float32)
-    b_g = tl.load(g + base + offs, mask=msk, other=0.0).to(tl.float32) * LOG2E
-    return b_q, b_k, b_b, tl.cumsum(b_g, axis=0)
+def store_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, x, o_c, L, H: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """Block (i, j) of a token-major [TT, H, BT] chunk matrix; rows at or past L are not written."""
+    rows = i * BC + o_c
+    p = row0 * BT + (rows[:, None] * (H * BT) + (j * BC + o_c)[None, :])
+    tl.store(ptr + p, x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
 
 
-@triton.jit
-def prep_level(b_q, b_k, b_bk, b_G, d: tl.constexpr, op_dt: tl.constexpr, DOT_PREC: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr):
-    """Contribution of level d to the unscaled Aqk and to T: pairs r > s whose highest differing bit
-    is d, as one product with factors exp2(G_r - G_an) and exp2(G_an - G_s), both <= 1.
-
-    ``op_dt`` is the dtype of the product's operands: the input dtype between sub-chunks, fp32
-    (tf32 at most) inside the 16x16 diagonal blocks, which feed the fp32 solve.
-    """
-    o_t = tl.arange(0, BT)
-    g_an = level_anchor(b_G, d, BT, BK)
-    up = (o_t & (1 << d)) != 0
-    f = tl.exp2(tl.minimum(tl.where(up[:, None], b_G - g_an, g_an - b_G), 0.0))
-    b_kct = tl.trans(tl.where(up[:, None], 0.0, b_k * f).to(op_dt))
-    a_qk = tl.dot(tl.where(up[:, None], b_q * f, 0.0).to(op_dt), b_kct, input_precision=DOT_PREC)
-    a_t = tl.dot(tl.where(up[:, None], b_bk * f, 0.0).to(op_dt), b_kct, input_precision=DOT_PREC)
-    if d < 5:
-        same = (o_t[:, None] >> (d + 1)) == (o_t[None, :] >> (d + 1))
-        a_qk = tl.where(same, a_qk, 0.0)
-        a_t = tl.where(same, a_t, 0.0)
-    return a_qk, a_t
-
-
-# ptxas (sm_90, K = V = 128) spills per thread: BK 32 / 8 warps 16 B, BK 64 / 8 warps 0.15 KB,
-# BK 32 / 4 warps 0.7 KB
-_PREP_CONFIGS = [
+# pinned first; ptxas (sm_90, triton 3.6, K = V = 128, bf16) spills per thread: 8 warps BK 32 48 B;
+# 4 warps BK 32 0.3 KB, BK 16 0.1 KB. Twenty [16, 16] accumulators live across the key loop.
+_INTRA_CONFIGS = [
     triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=1),
-    triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=1),
     triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=1),
+    triton.Config({"BK": 16, "BV": 64}, num_warps=4, num_stages=1),
 ]
 
 
-@tuned(_PREP_CONFIGS, key=["H", "K", "V", "SIZE", "STORE_U", "STORE_A"], clip={"BK": "KP", "BV": "VP"})
+@tuned(_INTRA_CONFIGS, key=["H", "K", "V", "STORE_U"], clip={"BK": "KP", "BV": "VP"})
 @triton.jit
-def gdn2_prep_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_info, scale, T, NT, SIZE,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr, STORE_A: tl.constexpr,
-                     DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr):
-    """One chunk, one head: Aqk (scaled, masked), optionally A, and Y, Kt, Qg, exp2(G_C), optionally U.
+def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_info, scale, T, NT,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr, DOT_PREC: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One chunk, one head: Aqk (scaled, masked), A, Y, Kt, Qg, exp2(G_C), optionally U.
 
     Token-major outputs: aqk / amat [TT, H, 64]; y, kt, qg [TT, H, K]; u [TT, H, V]; gcl [NC, H, K] fp32.
+    y holds Eb until A is known; amat is written (and read back) in every mode.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < L
     row0 = t0.to(tl.int64) * H + i_h  # (token, head) row of the chunk's first token
-    blk = o_t // BC
+    base = row0 * K
+    o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
 
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_toff = tl.zeros([BT, BT], dtype=tl.float32)  # T between sub-chunks (levels 4, 5)
-    b_tin = tl.zeros([BT, BT], dtype=tl.float32)   # T inside the 16x16 diagonal blocks (levels 0-3)
+    # Aqk (a..) and T (t..) as ten lower 16x16 blocks each, fp32 accumulators over the key blocks
+    a00 = tl.zeros([BC, BC], dtype=tl.float32)
+    a10 = tl.zeros([BC, BC], dtype=tl.float32)
+    a11 = tl.zeros([BC, BC], dtype=tl.float32)
+    a20 = tl.zeros([BC, BC], dtype=tl.float32)
+    a21 = tl.zeros([BC, BC], dtype=tl.float32)
+    a22 = tl.zeros([BC, BC], dtype=tl.float32)
+    a30 = tl.zeros([BC, BC], dtype=tl.float32)
+    a31 = tl.zeros([BC, BC], dtype=tl.float32)
+    a32 = tl.zeros([BC, BC], dtype=tl.float32)
+    a33 = tl.zeros([BC, BC], dtype=tl.float32)
+    t00 = tl.zeros([BC, BC], dtype=tl.float32)
+    t10 = tl.zeros([BC, BC], dtype=tl.float32)
+    t11 = tl.zeros([BC, BC], dtype=tl.float32)
+    t20 = tl.zeros([BC, BC], dtype=tl.float32)
+    t21 = tl.zeros([BC, BC], dtype=tl.float32)
+    t22 = tl.zeros([BC, BC], dtype=tl.float32)
+    t30 = tl.zeros([BC, BC], dtype=tl.float32)
+    t31 = tl.zeros([BC, BC], dtype=tl.float32)
+    t32 = tl.zeros([BC, BC], dtype=tl.float32)
+    t33 = tl.zeros([BC, BC], dtype=tl.float32)
+    # sub-chunks whose diagonal blocks need the exact path (in any key block)
+    slow0 = 0
+    slow1 = 0
+    slow2 = 0
+    slow3 = 0
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
-        b_bk = b_b * b_k
-        b_aqk += tl.where(o_t[:, None] == o_t[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
-        # pairs r > s grouped by the highest bit where r and s differ; each level is one masked
-        # product with its factors anchored inside the pair (see level_anchor)
-        # (levels are spelled out: a static loop variable is not a constexpr under the interpreter)
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 5, dt, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_toff += a_t
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 4, dt, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_toff += a_t
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 3, tl.float32, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_tin += a_t
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 2, tl.float32, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_tin += a_t
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 1, tl.float32, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_tin += a_t
-        a_qk, a_t = prep_level(b_q, b_k, b_bk, b_G, 0, tl.float32, DOT_PREC, BT, BK)
-        b_aqk += a_qk
-        b_tin += a_t
+        a0 = tl.zeros([BK], dtype=tl.float32)
+        # (sub-chunks are spelled out: a static loop variable is not a constexpr under the interpreter)
+        qf0, bf0, kh0, e0, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 0, a0, o_c, o_k, L, H, K, DOT_PREC, BC)
+        a00 += d_qk
+        t00 += d_t
+        slow0 = slow0 | (1 - f_ok)
+        # chunk-level operands from the same tiles: Qg = qF exp2(a_i), Eb = bkF exp2(a_i) (parked in y
+        # until A is known), Kt = kH exp2(G_C - e_i) once G_C is known
+        store_rows(qg, base, o_c, o_k, L, qf0, H, K)
+        store_rows(y, base, o_c, o_k, L, bf0, H, K)
+        qf1, bf1, kh1, e1, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BC)
+        a11 += d_qk
+        t11 += d_t
+        slow1 = slow1 | (1 - f_ok)
+        store_rows(qg, base, BC + o_c, o_k, L, qf1 * tl.exp2(e0)[None, :], H, K)
+        store_rows(y, base, BC + o_c, o_k, L, bf1 * tl.exp2(e0)[None, :], H, K)
+        x_k = tl.trans(kh0.to(dt))
+        a10 += tl.dot(qf1.to(dt), x_k, input_precision=DOT_PREC)
+        t10 += tl.dot(bf1.to(dt), x_k, input_precision=DOT_PREC)
+        qf2, bf2, kh2, e2, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BC)
+        a22 += d_qk
+        t22 += d_t
+        slow2 = slow2 | (1 - f_ok)
+        store_rows(qg, base, 2 * BC + o_c, o_k, L, qf2 * tl.exp2(e1)[None, :], H, K)
+        store_rows(y, base, 2 * BC + o_c, o_k, L, bf2 * tl.exp2(e1)[None, :], H, K)
+        x_k = tl.trans(kh1.to(dt))
+        a21 += tl.dot(qf2.to(dt), x_k, input_precision=DOT_PREC)
+        t21 += tl.dot(bf2.to(dt), x_k, input_precision=DOT_PREC)
+        x_k = tl.trans((kh0 * tl.exp2(e1 - e0)[None, :]).to(dt))
+        a20 += tl.dot(qf2.to(dt), x_k, input_precision=DOT_PREC)
+        t20 += tl.dot(bf2.to(dt), x_k, input_precision=DOT_PREC)
+        qf3, bf3, kh3, e3, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BC)
+        a33 += d_qk
+        t33 += d_t
+        slow3 = slow3 | (1 - f_ok)
+        store_rows(qg, base, 3 * BC + o_c, o_k, L, qf3 * tl.exp2(e2)[None, :], H, K)
+        store_rows(y, base, 3 * BC + o_c, o_k, L, bf3 * tl.exp2(e2)[None, :], H, K)
+        x_k = tl.trans(kh2.to(dt))
+        a32 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
+        t32 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
+        x_k = tl.trans((kh1 * tl.exp2(e2 - e1)[None, :]).to(dt))
+        a31 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
+        t31 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
+        x_k = tl.trans((kh0 * tl.exp2(e2 - e0)[None, :]).to(dt))
+        a30 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
+        t30 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
 
-    valid = m_t[:, None] & m_t[None, :]
-    b_aqk = tl.where((o_t[:, None] >= o_t[None, :]) & valid, b_aqk * scale, 0.0)
-    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
-    tl.store(aqk + p_a, b_aqk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+        store_rows(kt, base, o_c, o_k, L, kh0 * tl.exp2(e3 - e0)[None, :], H, K)
+        store_rows(kt, base, BC + o_c, o_k, L, kh1 * tl.exp2(e3 - e1)[None, :], H, K)
+        store_rows(kt, base, 2 * BC + o_c, o_k, L, kh2 * tl.exp2(e3 - e2)[None, :], H, K)
+        store_rows(kt, base, 3 * BC + o_c, o_k, L, kh3, H, K)
+        tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e3), mask=o_k < K)
 
-    # A = (I + T)^-1: invert the diagonal blocks, then with N = Ad Toff (nilpotent, N^4 = 0)
-    # A = (I + N)^-1 Ad = Ad - N (Ad - N (Ad - N Ad)).
-    # compress the diagonal blocks to [BT, BC] (row r keeps columns BC*(r//BC) ..)
-    b_tdc = tl.sum(tl.reshape(tl.where(valid, b_tin, 0.0), (BT, BT // BC, BC)), axis=1)
-    b_ad = invert_diag_blocks(b_tdc, BT, BC)
-    b_toff = tl.where((blk[:, None] > blk[None, :]) & valid, b_toff, 0.0)
-    b_n = tl.dot(b_ad, b_toff, input_precision=DOT_PREC)
-    b_x = b_ad - tl.dot(b_n, b_ad, input_precision=DOT_PREC)
-    b_x = b_ad - tl.dot(b_n, b_x, input_precision=DOT_PREC)
-    b_a = b_ad - tl.dot(b_n, b_x, input_precision=DOT_PREC)
-    if STORE_A:
-        tl.store(amat + p_a, b_a.to(amat.dtype.element_ty), mask=m_t[:, None])
-    b_ad_t = b_a.to(dt)
+    # steep sub-chunks: the exact diagonal blocks replace the (finite, clamped) anchored ones
+    if slow0 != 0:
+        a00, t00 = exact_diag(q, k, b, g, base, 0, o_c, L, H, K, BC, BK)
+    if slow1 != 0:
+        a11, t11 = exact_diag(q, k, b, g, base, 1, o_c, L, H, K, BC, BK)
+    if slow2 != 0:
+        a22, t22 = exact_diag(q, k, b, g, base, 2, o_c, L, H, K, BC, BK)
+    if slow3 != 0:
+        a33, t33 = exact_diag(q, k, b, g, base, 3, o_c, L, H, K, BC, BK)
 
+    low = o_c[:, None] >= o_c[None, :]
+    strict = o_c[:, None] > o_c[None, :]
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    store_block(aqk, row0, 0, 0, tl.where(low, a00 * scale, 0.0), o_c, L, H, BT, BC)
+    store_block(aqk, row0, 0, 1, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 0, 2, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 0, 3, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 1, 0, a10 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 1, 1, tl.where(low, a11 * scale, 0.0), o_c, L, H, BT, BC)
+    store_block(aqk, row0, 1, 2, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 1, 3, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 2, 0, a20 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 2, 1, a21 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 2, 2, tl.where(low, a22 * scale, 0.0), o_c, L, H, BT, BC)
+    store_block(aqk, row0, 2, 3, zero, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 3, 0, a30 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 3, 1, a31 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 3, 2, a32 * scale, o_c, L, H, BT, BC)
+    store_block(aqk, row0, 3, 3, tl.where(low, a33 * scale, 0.0), o_c, L, H, BT, BC)
+
+    # A = (I + T)^-1: diagonal blocks by fp32 forward substitution, then block rows in order,
+    # A_ij = -A_ii sum_{j <= l < i} T_il A_lj
+    x00, x11, x22, x33 = invert4(tl.where(strict, t00, 0.0), tl.where(strict, t11, 0.0),
+                                 tl.where(strict, t22, 0.0), tl.where(strict, t33, 0.0), o_c, BC)
+    x10 = -tl.dot(x11, tl.dot(t10, x00, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    x21 = -tl.dot(x22, tl.dot(t21, x11, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    x32 = -tl.dot(x33, tl.dot(t32, x22, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    x20 = -tl.dot(x22, tl.dot(t20, x00, input_precision=DOT_PREC) + tl.dot(t21, x10, input_precision=DOT_PREC),
+                  input_precision=DOT_PREC)
+    x31 = -tl.dot(x33, tl.dot(t31, x11, input_precision=DOT_PREC) + tl.dot(t32, x21, input_precision=DOT_PREC),
+                  input_precision=DOT_PREC)
+    x30 = -tl.dot(x33, tl.dot(t30, x00, input_precision=DOT_PREC) + tl.dot(t31, x10, input_precision=DOT_PREC)
+                  + tl.dot(t32, x20, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    store_block(amat, row0, 0, 0, x00, o_c, L, H, BT, BC)
+    store_block(amat, row0, 0, 1, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 0, 2, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 0, 3, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 1, 0, x10, o_c, L, H, BT, BC)
+    store_block(amat, row0, 1, 1, x11, o_c, L, H, BT, BC)
+    store_block(amat, row0, 1, 2, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 1, 3, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 2, 0, x20, o_c, L, H, BT, BC)
+    store_block(amat, row0, 2, 1, x21, o_c, L, H, BT, BC)
+    store_block(amat, row0, 2, 2, x22, o_c, L, H, BT, BC)
+    store_block(amat, row0, 2, 3, zero, o_c, L, H, BT, BC)
+    store_block(amat, row0, 3, 0, x30, o_c, L, H, BT, BC)
+    store_block(amat, row0, 3, 1, x31, o_c, L, H, BT, BC)
+    store_block(amat, row0, 3, 2, x32, o_c, L, H, BT, BC)
+    store_block(amat, row0, 3, 3, x33, o_c, L, H, BT, BC)
+    # the blocks of A and Eb written above are read back as whole [64, *] tiles by this same program
+    tl.debug_barrier()
+
+    o_t = tl.arange(0, BT)
+    m_t = o_t < L
+    b_a = tl.load(amat + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=m_t[:, None], other=0.0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q, b_k, b_b, b_G = load_chunk_qkbg(q, k, b, g, row0, o_t, o_k, m_t, H, K)
-        g_last = row_of(b_G, BT - 1, BT)
-        b_gam = tl.exp2(b_G)
-        offs = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
-        msk = m_t[:, None] & m_k[None, :]
-        b_y = tl.dot(b_ad_t, (b_b * b_k * b_gam).to(dt), input_precision=DOT_PREC)
+        offs = base + (o_t[:, None] * (H * K) + o_k[None, :])
+        msk = m_t[:, None] & (o_k < K)[None, :]
+        b_eb = tl.load(y + offs, mask=msk, other=0.0)
+        b_y = tl.dot(b_a, b_eb, input_precision=DOT_PREC)
         tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=msk)
-        tl.store(kt + offs, (b_k * exp2_nonpos(g_last[None, :] - b_G)).to(kt.dtype.element_ty), mask=msk)
-        tl.store(qg + offs, (b_q * b_gam).to(qg.dtype.element_ty), mask=msk)
-        tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(g_last), mask=m_k)
     if STORE_U:
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
@@ -185,7 +340,7 @@ def gdn2_prep_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_i
             msk = m_t[:, None] & (o_v < V)[None, :]
             b_v = tl.load(v + offs, mask=msk, other=0.0).to(tl.float32)
             b_w = tl.load(w + offs, mask=msk, other=0.0).to(tl.float32)
-            b_u = tl.dot(b_ad_t, (b_v * b_w).to(dt), input_precision=DOT_PREC)
+            b_u = tl.dot(b_a, (b_v * b_w).to(dt), input_precision=DOT_PREC)
             tl.store(u + offs, b_u.to(u.dtype.element_ty), mask=msk)
 
 
@@ -196,7 +351,16 @@ _SCAN_CONFIGS = [
 ]
 
 
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_STATES"], clip={"BV": "VP"})
+def scan_config(named: dict) -> triton.Config:
+    """Value block of the scans: the scan is a chain of per-chunk steps whose latency barely depends
+    on BV, so the value axis is split finely enough to give every SM work (BV 16 below ~2 programs
+    per SM at BV 32, i.e. few sequences x heads); ptxas spills at K = 128: BV 16 0.1-0.2 KB,
+    BV 32 0.2-0.45 KB, BV 64 1-1.3 KB per thread."""
+    programs_bv32 = int(named["SIZE"]) * triton.cdiv(int(named["V"]), 32)
+    return _SCAN_CONFIGS[1] if programs_bv32 < 264 else _SCAN_CONFIGS[0]
+
+
+@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_STATES"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit
 def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, hbuf, ht, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,

@@ -17,9 +17,15 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = os.environ.get("GDN2_AUTOTUNE", "0") == "1"
 CHUNK = 64      # chunk length
 SUB = 16        # sub-chunk length (diagonal blocks of the WY system)
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr so that kernels may read it
+# Largest log2-decay over half a sub-chunk (8 rows) for which the diagonal 16x16 blocks are built as one
+# product anchored at the sub-chunk's middle row: factors stay within [2^-60, 2^60], so every product,
+# the discarded upper triangle included, is a finite normal number (about 5.2 nats per token on
+# average, the usual lower bound of trained gates). Steeper sub-chunks take the exact column path.
+FAST_SPAN = tl.constexpr(60.0)
 
 
 def padded(d: int) -> int:
@@ -135,6 +141,28 @@ def row_of(x, i, BT: tl.constexpr):
 
 
 @triton.jit
+def load_rows(ptr, base, rows, o_k, L, H: tl.constexpr, K: tl.constexpr):
+    """fp32 [len(rows), BK] tile of a token-major [TT, H, K] tensor; ``base`` is the (int64) element
+    offset of the chunk's first token for this head; rows at or past ``L`` load as zeros."""
+    msk = (rows < L)[:, None] & (o_k < K)[None, :]
+    return tl.load(ptr + base + (rows[:, None] * (H * K) + o_k[None, :]), mask=msk, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, base, rows, o_k, L, x, H: tl.constexpr, K: tl.constexpr):
+    msk = (rows < L)[:, None] & (o_k < K)[None, :]
+    tl.store(ptr + base + (rows[:, None] * (H * K) + o_k[None, :]), x.to(ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def cat4(x0, x1, x2, x3, BC: tl.constexpr, BD: tl.constexpr):
+    """Four [BC, BD] tiles stacked along the rows into one [4*BC, BD] tile."""
+    lo = tl.reshape(tl.permute(tl.join(x0, x1), (2, 0, 1)), (2 * BC, BD))
+    hi = tl.reshape(tl.permute(tl.join(x2, x3), (2, 0, 1)), (2 * BC, BD))
+    return tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (4 * BC, BD))
+
+
+@triton.jit
 def exp2_nonpos(x):
     # every decay factor is exp2 of an exponent <= 0 where it is used; clamping keeps the masked
     # lanes (whose exponent may be large and positive) finite instead of inf.
@@ -142,25 +170,28 @@ def exp2_nonpos(x):
 
 
 # --------------------------------------------------------------------------------------------------
-# Autotuning: a small config space on the GPU, one fixed config under the interpreter
+# Launch configs: one pinned config per kernel; autotuning only with GDN2_AUTOTUNE=1
 # --------------------------------------------------------------------------------------------------
 
 class Tuned:
-    """A Triton kernel autotuned over ``configs`` on the GPU.
+    """A Triton kernel with a pinned launch config, autotuned over ``configs`` only on request.
 
+    By default (and always under ``TRITON_INTERPRET=1``) the config is ``pick(named_args)`` when a
+    ``pick`` function is given (a shape heuristic), else ``configs[0]``: no benchmarking at the first
+    call of a shape. ``GDN2_AUTOTUNE=1`` autotunes over ``configs`` on the GPU instead.
     ``clip`` maps a block-size meta-parameter to the kernel argument that bounds it (e.g.
-    ``{"BK": "KP"}``): configs are clipped to that bound and deduplicated, so small heads do not
-    compile oversized tiles. Under ``TRITON_INTERPRET=1``, or with a single config, nothing is tuned:
-    the first config (clipped) is passed explicitly. ``GDN2_SKIP_CONFIGS="kernel:i,kernel:j"`` drops
-    configs by index, for a Triton build that cannot compile one of them.
+    ``{"BK": "KP"}``): configs are clipped to that bound, so small heads do not compile oversized
+    tiles. ``GDN2_SKIP_CONFIGS="kernel:i,kernel:j"`` drops configs by index, for a Triton build that
+    cannot compile one of them.
     """
 
-    def __init__(self, fn, configs, key, clip=None):
+    def __init__(self, fn, configs, key, clip=None, pick=None):
         self.fn = fn
         skip = {e.strip() for e in os.environ.get("GDN2_SKIP_CONFIGS", "").split(",") if e.strip()}
         self.configs = [c for i, c in enumerate(configs) if f"{fn.__name__}:{i}" not in skip] or configs[:1]
         self.clip = clip or {}
-        self.direct = INTERPRET or len(self.configs) == 1
+        self.pick = pick
+        self.direct = INTERPRET or not AUTOTUNE or len(self.configs) == 1
         if not self.direct:
             def bench(kernel_call, quantiles):
                 # short runs: tuning happens once per key, and the key changes with every size bucket
@@ -187,13 +218,18 @@ class Tuned:
                 out.append(c)
         return out
 
+    def config_for(self, named: dict) -> triton.Config:
+        """The pinned config for these launch arguments (clipped)."""
+        cfg = self.pick(named) if self.pick is not None else self.configs[0]
+        return self._clipped(cfg, named)
+
     def __getitem__(self, grid):
         if not self.direct:
             return self.kernel[grid]
 
         def launch(*args, **kwargs):
             named = dict(zip(self.fn.arg_names, args), **kwargs)
-            cfg = self._clipped(self.configs[0], named)
+            cfg = self.config_for(named)
             g = grid(cfg.kwargs) if callable(grid) else grid
             if INTERPRET:
                 return self.fn[g](*args, **kwargs, **cfg.kwargs)
@@ -202,5 +238,5 @@ class Tuned:
         return launch
 
 
-def tuned(configs, key, clip=None):
-    return lambda fn: Tuned(fn, configs, key, clip)
+def tuned(configs, key, clip=None, pick=None):
+    return lambda fn: Tuned(fn, configs, key, clip, pick)
