@@ -1,9 +1,9 @@
 """Chunked GDN-2 in Triton: forward, backward and the autograd Function behind ``chunk_gdn2``.
 
-Forward: [L2 norm of q, k] -> ``gdn2_prep_kernel`` (chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the
+Forward: [L2 norm of q, k] -> ``gdn2_intra_kernel`` (chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the
 state scan, which also writes o). For training the scan saves the state at every chunk start and R,
-so the backward never re-runs the forward scan. Backward: prep again (recomputing Aqk, A and the scan
-operands is cheaper than storing them) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) ->
+so the backward never re-runs the forward scan. Backward: the intra kernel again (recomputing Aqk, A
+and the scan operands is cheaper than storing them) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) ->
 ``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (both chunk-parallel) -> [L2 norm backward].
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
@@ -23,7 +23,7 @@ from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, do
 
 
 def _size_bucket(n: int) -> int:
-    # autotuning key: configs are re-tuned per order of magnitude of the work, not per shape
+    # scan config key (GDN2_AUTOTUNE=1) and BV heuristic input: the next power of two of N * H
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
@@ -41,9 +41,9 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
     gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
     cu, info, _ = lay.kernel_args(gcl)
     gdn2_intra_kernel[(lay.NC, H)](
-        q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT,
+        q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT, int(store_u),
         H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
-        STORE_U=store_u, DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+        DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
     return aqk, amat, y, (u if store_u else None), kt, qg, gcl
 
 

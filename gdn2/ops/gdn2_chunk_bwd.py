@@ -35,7 +35,7 @@ _SCAN_CONFIGS = [
 
 
 @tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                          VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
@@ -97,7 +97,7 @@ _WY_CONFIGS = [
 
 
 @tuned(_WY_CONFIGS, key=["H", "V", "SIZE"], clip={"BV": "VP"})
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info, scale, T, NT, SIZE,
                        H: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, IS_VARLEN: tl.constexpr,
                        DOT_PREC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
@@ -230,7 +230,7 @@ _QKBG_CONFIGS = [
 
 
 @tuned(_QKBG_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq, dk, db, dg,
                          cu, chunk_info, scale, T, NT,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,

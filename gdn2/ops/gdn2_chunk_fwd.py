@@ -161,13 +161,15 @@ _INTRA_CONFIGS = [
 ]
 
 
-@tuned(_INTRA_CONFIGS, key=["H", "K", "V", "STORE_U"], clip={"BK": "KP", "BV": "VP"})
-@triton.jit
-def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_info, scale, T, NT,
+# Integer arguments that vary from call to call are not specialised (one compiled variant for every
+# length; ``store_u`` is a runtime switch so that the forward and the backward share one variant).
+@tuned(_INTRA_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
+@triton.jit(do_not_specialize=["T", "NT", "store_u"])
+def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_info, scale, T, NT, store_u,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr, DOT_PREC: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head: Aqk (scaled, masked), A, Y, Kt, Qg, exp2(G_C), optionally U.
+    """One chunk, one head: Aqk (scaled, masked), A, Y, Kt, Qg, exp2(G_C), and U when ``store_u`` != 0.
 
     Token-major outputs: aqk / amat [TT, H, 64]; y, kt, qg [TT, H, K]; u [TT, H, V]; gcl [NC, H, K] fp32.
     y holds Eb until A is known; amat is written (and read back) in every mode.
@@ -333,7 +335,7 @@ def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_
         b_eb = tl.load(y + offs, mask=msk, other=0.0)
         b_y = tl.dot(b_a, b_eb, input_precision=DOT_PREC)
         tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=msk)
-    if STORE_U:
+    if store_u != 0:
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             offs = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
@@ -357,11 +359,13 @@ def scan_config(named: dict) -> triton.Config:
     per SM at BV 32, i.e. few sequences x heads); ptxas spills at K = 128: BV 16 0.1-0.2 KB,
     BV 32 0.2-0.45 KB, BV 64 1-1.3 KB per thread."""
     programs_bv32 = int(named["SIZE"]) * triton.cdiv(int(named["V"]), 32)
-    return _SCAN_CONFIGS[1] if programs_bv32 < 264 else _SCAN_CONFIGS[0]
+    # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles
+    small = programs_bv32 < 264 or named.get("DOT_PREC") == "ieee"
+    return _SCAN_CONFIGS[1] if small else _SCAN_CONFIGS[0]
 
 
 @tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_STATES"], clip={"BV": "VP"}, pick=scan_config)
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, hbuf, ht, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                          VP: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE_STATES: tl.constexpr,

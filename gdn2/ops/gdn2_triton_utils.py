@@ -114,24 +114,8 @@ def seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------------
-# In-register helpers for the 16-row sub-chunks of a 64-row chunk tile
+# Tile helpers for the 16-row sub-chunks of a 64-row chunk
 # --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def level_anchor(G, d: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Per row r of a [BT, BD] tile: G at the anchor row of r's group at level d.
-
-    Rows are grouped in blocks of 2^(d+1); the anchor is the first row of the upper half
-    (``((r >> (d+1)) << (d+1)) + 2^d``). Every pair (r, s) with r > s whose highest differing bit is
-    d has r in the upper half and s in the lower half of one group, so s < anchor <= r: with a
-    non-increasing G both exp2(G_r - G_anchor) and exp2(G_anchor - G_s) are <= 1.
-    """
-    GS: tl.constexpr = 2 << d
-    r = tl.arange(0, BT)
-    sel = tl.where(((r % GS) == (GS // 2))[:, None], G, 0.0)
-    s = tl.sum(tl.reshape(sel, (BT // GS, GS, BD)), axis=1)
-    return tl.reshape(tl.broadcast_to(s[:, None, :], (BT // GS, GS, BD)), (BT, BD))
-
 
 @triton.jit
 def row_of(x, i, BT: tl.constexpr):
