@@ -1,19 +1,34 @@
 """Generation speed of ``swa_gdn2_1.3B`` in bf16 (random weights built on the GPU): prefill and decode.
 
 One run does, in order (each stage writes what it has to the JSON before the next one starts):
-1. correctness on the GPU: prompts of different lengths prefilled together, then decoded step by step,
-   against full forward passes (relative error of the logits, bf16), judged against the error of the
-   bf16 full forward pass itself against fp32; the captured CUDA graph against the eager decode step;
+1. correctness on the GPU: prompts of different lengths prefilled together, then decoded step by step
+   with the unfused and the fused decode step (``GPT.prepare_decoding``), against full forward passes
+   (relative error of the logits, bf16), judged against the error of the bf16 full forward pass itself
+   against fp32; the captured CUDA graph of the fused step against its eager run; the compiled fused
+   step (batch 1, the graphs the timings reuse) against the eager fused step and the full forward;
 2. the device-to-device copy bandwidth, for the memory floor of a decode step (every weight read once,
    plus the whole KV ring buffer, which a static-shape step attends over with a mask);
 3. prefill tokens/s: batch 1 x 1024 tokens and batch 64 x 512 tokens (packed, one pass);
-4. decode ms/token and tokens/s at batch 1 and 64, for the eager step, the captured CUDA graph, and
-   the CUDA graph of the torch.compile'd block step (greedy argmax between steps, on the device);
-5. end to end ``Generator.generate`` at batch 1 (128 new tokens): host-side stop checks included.
+4. decode ms/token and tokens/s at batch 1 and 64: the captured CUDA graph of the torch.compile'd
+   step, the plain CUDA graph and the eager step, each unfused and fused (greedy argmax between
+   steps, on the device); the most telling first, eager last;
+5. end to end ``Generator.generate`` at batch 1 (128 new tokens; its defaults: fused and compiled):
+   host-side stop checks included (run between the decode timings, see the plan in ``main``).
+
+Time budget: each stage has an expected cost; a stage that would end after ``--budget`` seconds
+(default 160) is skipped and listed as such, so the run ends within about 3 minutes on an H200 even
+when the last admitted stage overruns. The estimate, from the previous run of this script on the
+H200 (2 compiles of about 8-13 s, 6 decode timings, everything else as here, within its 185 s
+deadline) plus what was added: 2 more compiles (inductor, about 15 s each with the small input and
+head graphs) and 6 more timings (a graph timing is 308 steps of 2-7 ms, about 2 s; an eager one 68
+steps of about 10-20 ms, about 1 s): about 150 s in all. The last stage in the plan, the unfused
+compiled step at batch 64, is the one the budget cuts first (it was measured before: README).
 
 Prints a table and writes JSON to $OUT/generate_bench.json (./bench_out when OUT is unset).
 
-    PYTHONPATH=. python bench/generate.py [--config swa_gdn2_1.3B] [--steps 100] [--deadline 185]
+    PYTHONPATH=. python bench/generate.py [--config swa_gdn2_1.3B] [--steps 100] [--budget 170]
+    PYTHONPATH=. python bench/generate.py --smoke   # CPU, tiny config: checks the script itself
+
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -36,10 +52,12 @@ import torch  # noqa: E402
 
 from gdn2.config import Config  # noqa: E402
 from gdn2.generate import CapturedDecodeStep, Generator  # noqa: E402
-from gdn2.model import GPT, InferenceCache, block_decode_step  # noqa: E402
+from gdn2.model import GPT, DecodeWeights, InferenceCache, compiled_block_step  # noqa: E402
 
 START = time.time()
-RESULTS: dict = {"stages": {}, "errors": {}}
+RESULTS: dict = {"stages": {}, "errors": {}, "skipped": {}}
+BUDGET = 160.0
+DEVICE = torch.device("cuda")
 
 
 def out_path() -> Path:
@@ -53,8 +71,14 @@ def save() -> None:
     out_path().write_text(json.dumps(RESULTS, indent=2) + "\n")
 
 
-def stage(name: str, fn, *args, **kwargs):
-    """Run one stage; record its result or its error, save, and go on."""
+def stage(name: str, expected_s: float, fn, *args, **kwargs):
+    """Run one stage unless it would end past the budget; record its result or its error, save, go on."""
+    elapsed = time.time() - START
+    if elapsed + expected_s > BUDGET:
+        RESULTS["skipped"][name] = f"at {elapsed:.0f} s, expected {expected_s:.0f} s, budget {BUDGET:.0f} s"
+        print(f"[{elapsed:6.1f}s] {name}: skipped (budget)", flush=True)
+        save()
+        return None
     t = time.time()
     try:
         value = fn(*args, **kwargs)
@@ -63,20 +87,29 @@ def stage(name: str, fn, *args, **kwargs):
         RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
         value = None
+    if isinstance(value, dict):
+        value["stage_s"] = round(time.time() - t, 1)
     print(f"[{time.time() - START:6.1f}s] {name} ({time.time() - t:.1f}s): {json.dumps(value)[:300]}", flush=True)
     save()
     return value
 
 
-def build_model(name: str) -> GPT:
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(name: str, smoke: bool) -> GPT:
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = GPT(Config.from_name(name))
+    overrides = dict(vocab_size=512, sliding_window=64) if smoke else {}
+    dtype = torch.float32 if smoke else torch.bfloat16  # bf16 GEMMs on a CPU only slow the smoke run
+    with torch.device(DEVICE):
+        model = GPT(Config.from_name(name, **overrides))
     keep = {id(b.mixer.A_log) for b in model.transformer.h if b.kind == "gdn2"}
     keep |= {id(b.mixer.dt_bias) for b in model.transformer.h if b.kind == "gdn2"}
     for p in model.parameters():
         if id(p) not in keep:  # decay parameters stay fp32, as in training
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(dtype)
     return model.eval()
 
 
@@ -85,35 +118,81 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def decode_run(model: GPT, seqs: list[torch.Tensor], lengths: list[int], extra: int,
+               weights: Optional[DecodeWeights] = None, step: Optional[Callable] = None,
+               cache: Optional[InferenceCache] = None) -> list[torch.Tensor]:
+    """Ragged prefill of ``seqs[r][:lengths[r]]``, then ``extra`` steps feeding the known tokens.
+    ``step(tokens)`` replaces the eager ``model.decode_step`` (a captured graph). Logits per step."""
+    cache = cache or InferenceCache(model, len(seqs), max_length=256)
+    cache.reset()
+    out = [model.prefill([s[:n] for s, n in zip(seqs, lengths)], cache)]
+    for j in range(extra):
+        tokens = torch.stack([s[n + j] for s, n in zip(seqs, lengths)])
+        logits = step(tokens) if step is not None else model.decode_step(tokens, cache, weights=weights)
+        out.append(logits.clone())
+    return out
+
+
 @torch.no_grad()
 def check_correctness(model: GPT) -> dict:
     V = model.config.vocab_size
     lengths, extra = [37, 64, 1], 8
-    seqs = [torch.randint(0, V, (n + extra,), device="cuda") for n in lengths]
-    cache = InferenceCache(model, len(lengths), max_length=256)
-    eager = [model.prefill([s[:n] for s, n in zip(seqs, lengths)], cache)]
-    for j in range(extra):
-        eager.append(model.decode_step(torch.stack([s[n + j] for s, n in zip(seqs, lengths)]), cache))
-    errs, baseline = [], []
+    seqs = [torch.randint(0, V, (n + extra,), device=DEVICE) for n in lengths]
+    weights = model.prepare_decoding()
+    unfused = decode_run(model, seqs, lengths, extra)
+    fused = decode_run(model, seqs, lengths, extra, weights)
     # bf16 rounding alone: the same full forward pass in bf16 against fp32 (weights upcast)
-    reference = GPT(model.config).to("cuda").eval()
+    with torch.device(DEVICE):
+        reference = GPT(model.config).eval()
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    errs, fused_errs, baseline = [], [], []
     for r, (s, n) in enumerate(zip(seqs, lengths)):
         full = model(s[None])[0]
         full32 = reference(s[None])[0]
-        errs.append(max(rel_err(eager[j][r], full[n - 1 + j]) for j in range(extra + 1)))
+        errs.append(max(rel_err(unfused[j][r], full[n - 1 + j]) for j in range(extra + 1)))
+        fused_errs.append(max(rel_err(fused[j][r], full[n - 1 + j]) for j in range(extra + 1)))
         baseline.append(max(rel_err(full[n - 1 + j], full32[n - 1 + j]) for j in range(extra + 1)))
     del reference
-    graph_cache = InferenceCache(model, len(lengths), max_length=256)
-    step = CapturedDecodeStep(model, graph_cache)
-    graph_cache.reset()
-    graph = [model.prefill([s[:n] for s, n in zip(seqs, lengths)], graph_cache)]
-    for j in range(extra):
-        graph.append(step(torch.stack([s[n + j] for s, n in zip(seqs, lengths)])).clone())
-    graph_err = max(rel_err(g, e) for g, e in zip(graph, eager))
-    return {"prompt_lengths": lengths, "decode_vs_full_forward_rel_err": errs,
-            "bf16_vs_fp32_full_forward_rel_err": baseline, "graph_vs_eager_rel_err": graph_err,
-            "ok": max(errs) < 2 * max(baseline) + 1e-3 and graph_err < 1e-3}
+    fused_vs_unfused = max(rel_err(f, u) for f, u in zip(fused, unfused))
+    result = {"prompt_lengths": lengths, "decode_vs_full_forward_rel_err": errs,
+              "fused_decode_vs_full_forward_rel_err": fused_errs,
+              "bf16_vs_fp32_full_forward_rel_err": baseline, "fused_vs_unfused_rel_err": fused_vs_unfused}
+    limit = 2 * max(baseline) + 1e-3
+    ok = max(errs) < limit and max(fused_errs) < limit
+    if DEVICE.type == "cuda":
+        graph_cache = InferenceCache(model, len(lengths), max_length=256)
+        captured = CapturedDecodeStep(model, graph_cache, weights=weights)
+        graph = decode_run(model, seqs, lengths, extra, step=captured, cache=graph_cache)
+        result["fused_graph_vs_eager_rel_err"] = max(rel_err(g, e) for g, e in zip(graph, fused))
+        ok = ok and result["fused_graph_vs_eager_rel_err"] < 1e-3
+    result["ok"] = ok
+    return result
+
+
+@torch.no_grad()
+def check_compiled(model: GPT) -> dict:
+    """The compiled fused step at batch 1 (the bucket the timings and Generator reuse) against the
+    eager fused step and the full forward: inductor fuses differently, so bf16 rounding differs."""
+    V = model.config.vocab_size
+    lengths, extra = [37], 8
+    seqs = [torch.randint(0, V, (n + extra,), device=DEVICE) for n in lengths]
+    weights = model.prepare_decoding()
+    # the attention ring as long as in the timings and in Generator, so that they reuse this compile
+    cache = InferenceCache(model, 1, max_length=model.config.block_size)
+    eager = decode_run(model, seqs, lengths, extra, weights, cache=cache)
+    compiled = compiled_block_step()
+    if DEVICE.type == "cuda":
+        step = CapturedDecodeStep(model, cache, block_step=compiled, weights=weights)
+    else:
+        step = lambda tok: model.decode_step(tok, cache, compiled, weights)  # noqa: E731
+    got = decode_run(model, seqs, lengths, extra, step=step, cache=cache)
+    full = model(seqs[0][None])[0]
+    vs_eager = max(rel_err(g, e) for g, e in zip(got, eager))
+    vs_full = max(rel_err(got[j][0], full[lengths[0] - 1 + j]) for j in range(extra + 1))
+    eager_vs_full = max(rel_err(eager[j][0], full[lengths[0] - 1 + j]) for j in range(extra + 1))
+    return {"compiled_vs_eager_fused_rel_err": vs_eager, "compiled_vs_full_forward_rel_err": vs_full,
+            "eager_fused_vs_full_forward_rel_err": eager_vs_full,
+            "ok": vs_full < 2 * eager_vs_full + 1e-2}
 
 
 def copy_bandwidth() -> float:
@@ -136,7 +215,21 @@ def copy_bandwidth() -> float:
 def prompts(batch: int, length: int, vocab: int, ragged: bool) -> list[torch.Tensor]:
     """``batch`` prompts of ``length`` tokens, or of lengths spread over [length/2, length]."""
     lengths = [length - (i * length // (2 * batch) if ragged else 0) for i in range(batch)]
-    return [torch.randint(0, vocab, (n,), device="cuda") for n in lengths]
+    return [torch.randint(0, vocab, (n,), device=DEVICE) for n in lengths]
+
+
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds one call of ``fn`` takes on the device."""
+    if DEVICE.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 @torch.no_grad()
@@ -145,64 +238,65 @@ def time_prefill(model: GPT, batch: int, length: int, cache: InferenceCache) -> 
     times = []
     for i in range(6):
         cache.reset()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        model.prefill(ps, cache)
-        b.record()
-        torch.cuda.synchronize()
+        t = timed(lambda: model.prefill(ps, cache))
         if i >= 2:
-            times.append(a.elapsed_time(b) / 1e3)
+            times.append(t)
     t = statistics.median(times)
     return {"batch": batch, "prompt_tokens": length, "ms": round(t * 1e3, 3),
             "tokens_per_s": round(batch * length / t, 1)}
 
 
 @torch.no_grad()
-def time_decode(model: GPT, cache: InferenceCache, variant: str, steps: int, compiled=None) -> dict:
+def time_decode(model: GPT, cache: InferenceCache, variant: str, fused: bool, steps: int,
+                weights: Optional[DecodeWeights], prompt_len: int = 128) -> dict:
     B = cache.batch_size
+    weights = weights if fused else None
+    block_step = compiled_block_step() if variant == "graph+compile" else None
     if variant == "eager":
-        step = lambda tok: model.decode_step(tok, cache)  # noqa: E731
-    else:
-        captured = CapturedDecodeStep(model, cache, block_step=compiled if variant == "graph+compile" else None)
-        step = captured
+        step = lambda tok: model.decode_step(tok, cache, None, weights)  # noqa: E731
+    elif DEVICE.type == "cuda":
+        step = CapturedDecodeStep(model, cache, block_step=block_step, weights=weights)
+    else:  # the CPU smoke run: compiled, without a graph
+        step = lambda tok: model.decode_step(tok, cache, block_step, weights)  # noqa: E731
     cache.reset()
-    logits = model.prefill(prompts(B, 128, model.config.vocab_size, ragged=True), cache)
+    logits = model.prefill(prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache)
     tok = logits.argmax(-1)
     for _ in range(8):
         tok = step(tok).argmax(-1)
     times = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def run() -> None:
+        nonlocal tok
         for _ in range(steps):
             tok = step(tok).argmax(-1)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / steps)
+
+    for _ in range(3):
+        times.append(timed(run) / steps)
     t = statistics.median(times)
-    return {"batch": B, "variant": variant, "ms_per_token": round(t * 1e3, 4), "tokens_per_s": round(B / t, 1),
-            "all_ms_per_token": [round(x * 1e3, 4) for x in times]}
+    return {"batch": B, "variant": variant, "fused": fused, "ms_per_token": round(t * 1e3, 4),
+            "tokens_per_s": round(B / t, 1), "all_ms_per_token": [round(x * 1e3, 4) for x in times]}
 
 
 @torch.no_grad()
-def end_to_end(model: GPT, new_tokens: int) -> dict:
-    gen = Generator(model, None, max_batch_size=1)
-    prompt = prompts(1, 128, model.config.vocab_size, ragged=False)[0].tolist()
+def end_to_end(model: GPT, new_tokens: int, prompt_len: int = 128) -> dict:
+    gen = Generator(model, None, max_batch_size=1)  # defaults: fused, compiled and captured on CUDA
+    prompt = prompts(1, prompt_len, model.config.vocab_size, ragged=False)[0].tolist()
     gen.generate([prompt], max_new_tokens=4)  # capture the graph
     cache = gen._cache_rows(1)
     walls = []
     for _ in range(3):
         cache.reset()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        model.prefill([torch.tensor(prompt, device="cuda")], cache)
-        torch.cuda.synchronize()
+        model.prefill([torch.tensor(prompt, device=DEVICE)], cache)
+        sync()
         t1 = time.perf_counter()
         out = gen.generate([prompt], max_new_tokens=new_tokens)
         t2 = time.perf_counter()
         assert len(out[0].tokens) == new_tokens
         walls.append(((t2 - t1) - (t1 - t0)) / (new_tokens - 1))
-    return {"batch": 1, "new_tokens": new_tokens, "decode_ms_per_token": round(statistics.median(walls) * 1e3, 4)}
+    return {"batch": 1, "new_tokens": new_tokens, "fused": gen.fused, "compiled": gen.compile,
+            "decode_ms_per_token": round(statistics.median(walls) * 1e3, 4)}
 
 
 def floor_ms(model: GPT, batch: int, bandwidth: float) -> float:
@@ -219,59 +313,98 @@ def floor_ms(model: GPT, batch: int, bandwidth: float) -> float:
 
 
 def main() -> int:
+    global BUDGET, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="swa_gdn2_1.3B")
-    parser.add_argument("--steps", type=int, default=100, help="decode steps per timing")
-    parser.add_argument("--deadline", type=float, default=185.0, help="skip stages that would start after this (s)")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps per timing (CUDA graph variants)")
+    parser.add_argument("--eager-steps", type=int, default=20, help="decode steps per timing (eager variants)")
+    parser.add_argument("--budget", type=float, default=160.0,
+                        help="skip every stage that would end after this many seconds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run on the CPU in fp32 with swa_gdn2_tiny and small sizes (checks the script)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/generate.py needs a CUDA GPU", file=sys.stderr)
+    BUDGET = args.budget
+    big_batch, prefill_sizes, prompt_len = 64, ((1, 1024), (64, 512)), 128
+    if args.smoke:
+        DEVICE = torch.device("cpu")
+        args.config = "swa_gdn2_tiny"
+        args.steps = args.eager_steps = min(args.steps, 3)
+        big_batch, prefill_sizes, prompt_len = 4, ((1, 64), (4, 32)), 16
+    elif not torch.cuda.is_available():
+        print("bench/generate.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": __import__("triton").__version__, "config": args.config, "dtype": "bfloat16"}
+    RESULTS["env"] = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (smoke)",
+                      "torch": torch.__version__, "triton": __import__("triton").__version__,
+                      "config": args.config, "dtype": "float32" if args.smoke else "bfloat16"}
     try:
-        model = build_model(args.config)
+        model = build_model(args.config, args.smoke)
     except Exception as e:  # noqa: BLE001
         RESULTS["errors"]["build"] = f"{type(e).__name__}: {e}"
         save()
         raise
     RESULTS["env"]["parameters"] = model.num_parameters()
-    stage("correctness", check_correctness, model)
-    bandwidth = stage("copy_bandwidth_bytes_per_s", copy_bandwidth) or 4.3e12
+    weights = model.prepare_decoding()
+    RESULTS["env"]["fused_weight_copies_bytes"] = weights.nbytes()
+    stage("correctness", 25, check_correctness, model)
+    stage("correctness_compiled_b1", 20, check_compiled, model)
+    bandwidth = (stage("copy_bandwidth_bytes_per_s", 3, copy_bandwidth) if DEVICE.type == "cuda" else None) or 4.3e12
 
-    big = InferenceCache(model, 64, max_length=model.config.block_size)
-    for batch, length in ((1, 1024), (64, 512)):
-        stage(f"prefill_b{batch}", time_prefill, model, batch, length, big.rows(batch))
+    big = InferenceCache(model, big_batch, max_length=model.config.block_size)
+    for batch, length in prefill_sizes:
+        stage(f"prefill_b{batch}", 10, time_prefill, model, batch, length, big.rows(batch))
 
-    compiled = torch.compile(block_decode_step, dynamic=False)
-    # cheapest first; compilation last, so that a slow compile costs only its own numbers
-    for variant in ("eager", "graph", "graph+compile"):
-        for batch in (1, 64):
-            if time.time() - START > args.deadline:
-                RESULTS["errors"][f"decode_b{batch}_{variant}"] = "skipped: deadline"
-                continue
-            r = stage(f"decode_b{batch}_{variant}", time_decode, model, big.rows(batch), variant, args.steps,
-                      compiled)
-            if r is not None:
-                r["floor_ms_per_token"] = round(floor_ms(model, batch, bandwidth), 4)
-            save()
-    if time.time() - START < args.deadline:
-        stage("generate_end_to_end_b1", end_to_end, model, 128)
+    # the most telling first; a batch size not compiled yet costs a compile (~15 s); what the budget
+    # cuts first is the last: the unfused compiled step at the large batch, measured before (README)
+    B = big_batch
+    plan = [(1, "graph+compile", True, 3), (1, "graph", True, 3), (1, "graph", False, 3),
+            (1, "graph+compile", False, 15), (B, "graph", True, 3), (B, "graph", False, 3),
+            (1, "eager", True, 3), (1, "eager", False, 3), (B, "graph+compile", True, 15), "end_to_end",
+            (B, "eager", True, 4), (B, "eager", False, 4), (B, "graph+compile", False, 15)]
+    for item in plan:
+        if item == "end_to_end":
+            stage("generate_end_to_end_b1", 8, end_to_end, model, 16 if args.smoke else 128, prompt_len)
+            continue
+        batch, variant, fused, expected = item
+        if DEVICE.type != "cuda" and variant == "graph":
+            continue
+        steps = args.eager_steps if variant == "eager" else args.steps
+        name = f"decode_b{batch}_{variant}_{'fused' if fused else 'unfused'}"
+        r = stage(name, expected, time_decode, model, big.rows(batch), variant, fused, steps, weights, prompt_len)
+        if r is not None:
+            r["floor_ms_per_token"] = round(floor_ms(model, batch, bandwidth), 4)
+        save()
 
+    from torch._dynamo.utils import counters
+
+    RESULTS["env"]["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]  # no silent recompiles
     print()
-    print(f"{args.config} bf16 on {RESULTS['env']['gpu']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'what':<28}{'batch':>6}{'ms':>12}{'tokens/s':>14}{'floor ms':>10}")
-    for name, r in RESULTS["stages"].items():
+    print(f"{args.config} {RESULTS['env']['dtype']} on {RESULTS['env']['device']}, copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s, fused weight copies {weights.nbytes() / 2**30:.2f} GiB")
+    for name in ("correctness", "correctness_compiled_b1"):
+        r = RESULTS["stages"].get(name)
+        if r:
+            print(f"{name}: ok={r['ok']} " + ", ".join(f"{k}={v}" for k, v in r.items() if k.endswith("err")))
+    print(f"{'what':<34}{'batch':>6}{'ms':>12}{'tokens/s':>14}{'floor ms':>10}{'unfused/fused':>15}")
+    stages = RESULTS["stages"]
+    for name, r in stages.items():
         if isinstance(r, dict) and "tokens_per_s" in r:
             ms = r.get("ms_per_token", r.get("ms"))
-            print(f"{name:<28}{r['batch']:>6}{ms:>12.4f}{r['tokens_per_s']:>14.1f}"
-                  f"{r.get('floor_ms_per_token', math.nan):>10.4f}")
-    e2e = RESULTS["stages"].get("generate_end_to_end_b1")
+            ratio = ""
+            if r.get("fused"):
+                other = stages.get(name.replace("_fused", "_unfused"))
+                if isinstance(other, dict):
+                    ratio = f"{other['ms_per_token'] / ms:.2f}x"
+            print(f"{name:<34}{r['batch']:>6}{ms:>12.4f}{r['tokens_per_s']:>14.1f}"
+                  f"{r.get('floor_ms_per_token', math.nan):>10.4f}{ratio:>15}")
+    e2e = stages.get("generate_end_to_end_b1")
     if e2e:
-        print(f"{'generate() end to end':<28}{1:>6}{e2e['decode_ms_per_token']:>12.4f}")
+        how = f"{'fused' if e2e['fused'] else 'unfused'}{', compiled' if e2e['compiled'] else ''}"
+        print(f"{'generate() end to end (' + how + ')':<34}{1:>6}{e2e['decode_ms_per_token']:>12.4f}")
+    if RESULTS["skipped"]:
+        print("skipped:", ", ".join(RESULTS["skipped"]))
     if RESULTS["errors"]:
         print("errors:", json.dumps(RESULTS["errors"], indent=1))
-    print(f"wrote {out_path()}")
+    print(f"total {time.time() - START:.0f} s; wrote {out_path()}")
     save()
     return 0
 
