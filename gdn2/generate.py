@@ -161,8 +161,8 @@ class Generator:
     tokenizer does not know (models whose embedding is padded past the tokenizer's vocabulary).
 
     ``fused`` (default True): decode on :meth:`GPT.prepare_decoding`'s fused weight copies (the same
-    logits, far fewer kernels per layer; about 0.55x the model's weight bytes more memory, freed by
-    :meth:`release`). They are refreshed at the start of every ``generate`` call when the parameters
+    logits, far fewer kernels per layer; 0.55x the weight bytes more memory for ``swa_gdn2_1.3B``,
+    freed by :meth:`release`). They are refreshed at the start of every ``generate`` call when the parameters
     changed (optimizer step, ``load_state_dict``, in-place edits; see :class:`gdn2.model.DecodeWeights`;
     writes through ``p.data`` need ``generator.refresh_weights(force=True)``).
     ``compile`` (default: True on CUDA, False elsewhere): run the decode step's pieces through

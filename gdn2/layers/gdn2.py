@@ -266,10 +266,10 @@ class GatedDeltaNet2(nn.Module):
     # ---- fused decode step ------------------------------------------------------------------------
     def decode_weight_sources(self) -> list[torch.Tensor]:
         """The parameters :meth:`decode_weights` reads (what a refresh of the fused copies watches)."""
-        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.b_proj.weight,
-                self.w_proj.weight, self.f_proj[0].weight, self.g_proj[0].weight, self.f_proj[1].weight,
-                self.g_proj[1].weight, self.g_proj[1].bias, self.q_conv1d.weight, self.k_conv1d.weight,
-                self.v_conv1d.weight, self.A_log]
+        linears = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0],
+                   self.f_proj[1], self.g_proj[1]]
+        return ([p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+                + [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log])
 
     @torch.no_grad()
     def decode_weights(self) -> GDN2DecodeWeights:
@@ -287,12 +287,15 @@ class GatedDeltaNet2(nn.Module):
                 raise ValueError(f"layer {self.layer_idx}: {name}.weight is {lin.weight.dtype} on "
                                  f"{lin.weight.device}, q_proj.weight {dtype} on {ref.device}: the fused "
                                  "decode projections need one dtype and device")
+            if lin in first and lin.bias is not None:
+                raise ValueError(f"layer {self.layer_idx}: {name} has a bias, which the fused input GEMM omits")
         in_proj = torch.cat([lin.weight for lin in first], dim=0)
         r, Kd, Vd = f1.in_features, self.key_dim, self.value_dim
         low_rank = in_proj.new_zeros(Kd + Vd, 2 * r)
         low_rank[:Kd, :r] = f1.weight
         low_rank[Kd:, r:] = g1.weight
-        low_rank_bias = torch.cat([in_proj.new_zeros(Kd), g1.bias.to(dtype)])
+        low_rank_bias = torch.cat([in_proj.new_zeros(Kd) if f1.bias is None else f1.bias.to(dtype),
+                                   in_proj.new_zeros(Vd) if g1.bias is None else g1.bias.to(dtype)])
         conv = torch.cat([c.weight[:, 0, :].t() for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)],
                          dim=1).to(dtype).contiguous()
         decay_rate = -self.A_log.float().exp().repeat_interleave(self.head_k_dim)
@@ -317,9 +320,9 @@ class GatedDeltaNet2(nn.Module):
         cache.conv.copy_(window[:, 1:])
         # the slices are contiguous at B = 1; at B > 1 the copies let the kernel read them densely
         q, k, v = (t.contiguous() for t in conv.split([Kd, Kd, Vd], dim=-1))
-        # a non-finite hidden unit would leak into the other stage through the zero blocks, but it
-        # already makes this layer's output non-finite in the unfused step
-        # 2-D: a strided [B, 2r] view goes to one addmm (a 3-D strided input would be mm + add)
+        # 2-D: a strided [B, 2r] view goes to one addmm (a 3-D strided input would be mm + add). A
+        # non-finite hidden unit would leak into the other stage through the zero blocks, but it
+        # already makes this layer's output non-finite in the unfused step.
         f, gate = F.linear(hidden.reshape(B, -1), weights.low_rank, weights.low_rank_bias).split([Kd, Vd], dim=-1)
         g = weights.decay_rate * F.softplus(f.float() + self.dt_bias)
         b, w = (t.contiguous() for t in torch.sigmoid(bw).split([Kd, Vd], dim=-1))

@@ -103,6 +103,8 @@ def test_compiled_fused_step_traces_whole_and_matches_eager():
     torch._dynamo.reset()
 
 
+# importing inductor (torch.compile's default backend) warns about torch.jit internals it uses
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_switch_and_cli_flags(monkeypatch):
     model = _model("gdn2_tiny")
     assert Generator(model).compile is False  # CPU decoding stays uncompiled by default
