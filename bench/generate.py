@@ -16,17 +16,18 @@ One run does, in order (each stage writes what it has to the JSON before the nex
    host-side stop checks included (run between the decode timings, see the plan in ``main``).
 
 Time budget: each stage has an expected cost; a stage that would end after ``--budget`` seconds
-(default 160) is skipped and listed as such, so the run ends within about 3 minutes on an H200 even
-when the last admitted stage overruns. The estimate, from the previous run of this script on the
-H200 (2 compiles of about 8-13 s, 6 decode timings, everything else as here, within its 185 s
-deadline) plus what was added: 2 more compiles (inductor, about 15 s each with the small input and
-head graphs) and 6 more timings (a graph timing is 308 steps of 2-7 ms, about 2 s; an eager one 68
-steps of about 10-20 ms, about 1 s): about 150 s in all. The last stage in the plan, the unfused
-compiled step at batch 64, is the one the budget cuts first (it was measured before: README).
+(default 160) is skipped and listed as such, so the run ends within 3 minutes on an H200 even when
+the last admitted stage overruns. The estimate: the previous version of this script took 120 s on
+the H200 (2 compiles of 8-13 s; 6 decode timings, the two eager ones 308 steps of 28-34 ms, 19 s
+together). Added here: the batch-1 compile check (~15 s, reused by the timings and Generator), 2
+more compiles (~13 s each) and 6 more timings (a CUDA-graph timing is 308 steps of 2-7 ms, ~2 s);
+the eager timings now take 68 steps (~2 s each, 11 s saved); the fp32 reference is built on the
+GPU: about 145 s in all. The last stage of the plan, the unfused compiled step at batch 64, is the
+one the budget cuts first (it was measured before: 4.92 ms, README).
 
 Prints a table and writes JSON to $OUT/generate_bench.json (./bench_out when OUT is unset).
 
-    PYTHONPATH=. python bench/generate.py [--config swa_gdn2_1.3B] [--steps 100] [--budget 170]
+    PYTHONPATH=. python bench/generate.py [--config swa_gdn2_1.3B] [--steps 100] [--budget 160]
     PYTHONPATH=. python bench/generate.py --smoke   # CPU, tiny config: checks the script itself
 
 """
