@@ -11,7 +11,8 @@ One run does, in order (each stage writes what it has to the JSON before the nex
 3. prefill tokens/s: batch 1 x 1024 tokens and batch 64 x 512 tokens (packed, one pass);
 4. decode ms/token and tokens/s at batch 1 and 64: the captured CUDA graph of the torch.compile'd
    step, the plain CUDA graph and the eager step, each unfused and fused (greedy argmax between
-   steps, on the device); the most telling first, eager last;
+   steps, on the device); the most telling first, eager last; at batch 1 also the device kernels per
+   step of the four captured variants (torch.profiler): their count, summed time and top kernels;
 5. end to end ``Generator.generate`` at batch 1 (128 new tokens; its defaults: fused and compiled):
    host-side stop checks included (run between the decode timings, see the plan in ``main``).
 
@@ -279,6 +280,55 @@ def time_decode(model: GPT, cache: InferenceCache, variant: str, fused: bool, st
 
 
 @torch.no_grad()
+def profile_kernels(model: GPT, cache: InferenceCache, weights: DecodeWeights, steps: int, prompt_len: int) -> dict:
+    """Device kernels per decode step at batch ``cache.batch_size`` (torch.profiler over ``steps``
+    replays), per variant: how many, the summed kernel time, and the kernels that take the most.
+    The count checks the one predicted from the code; the greedy argmax adds one kernel per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = DEVICE.type == "cuda"
+    B = cache.batch_size
+    result = {}
+    for variant, fused in (("graph+compile", True), ("graph+compile", False), ("graph", True), ("graph", False)):
+        name = f"{variant}_{'fused' if fused else 'unfused'}"
+        try:
+            block_step = compiled_block_step() if variant == "graph+compile" else None
+            w = weights if fused else None
+            if on_cuda:
+                step = CapturedDecodeStep(model, cache, block_step=block_step, weights=w)
+            else:
+                step = lambda tok: model.decode_step(tok, cache, block_step, w)  # noqa: E731
+            cache.reset()
+            tok = model.prefill(prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache).argmax(-1)
+            for _ in range(3):
+                tok = step(tok).argmax(-1)
+            sync()
+            activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
+            with profile(activities=[activity]) as prof:
+                for _ in range(steps):
+                    tok = step(tok).argmax(-1)
+                sync()
+            kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
+            per_name: dict = {}
+            for e in prof.events():
+                if e.device_type != kind or (not on_cuda and e.cpu_parent is not None):
+                    continue
+                n, t = per_name.get(e.name, (0, 0.0))
+                per_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
+            count = sum(n for n, _ in per_name.values())
+            total = sum(t for _, t in per_name.values())
+            top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]
+            result[name] = {"kernels_per_step": round(count / steps, 1), "kernel_us_per_step": round(total / steps, 1),
+                            "top": [{"kernel": k[:90], "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1)}
+                                    for k, (n, t) in top]}
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+    return result
+
+
+@torch.no_grad()
 def end_to_end(model: GPT, new_tokens: int, prompt_len: int = 128) -> dict:
     gen = Generator(model, None, max_batch_size=1)  # defaults: fused, compiled and captured on CUDA
     prompt = prompts(1, prompt_len, model.config.vocab_size, ragged=False)[0].tolist()
@@ -359,11 +409,14 @@ def main() -> int:
     B = big_batch
     plan = [(1, "graph+compile", True, 3), (1, "graph", True, 3), (1, "graph", False, 3),
             (1, "graph+compile", False, 15), (B, "graph", True, 3), (B, "graph", False, 3),
-            (1, "eager", True, 3), (1, "eager", False, 3), (B, "graph+compile", True, 15), "end_to_end",
+            (1, "eager", True, 3), (1, "eager", False, 3), "profile", (B, "graph+compile", True, 15), "end_to_end",
             (B, "eager", True, 4), (B, "eager", False, 4), (B, "graph+compile", False, 15)]
     for item in plan:
         if item == "end_to_end":
             stage("generate_end_to_end_b1", 8, end_to_end, model, 16 if args.smoke else 128, prompt_len)
+            continue
+        if item == "profile":
+            stage("kernels_b1", 12, profile_kernels, model, big.rows(1), weights, 3 if args.smoke else 10, prompt_len)
             continue
         batch, variant, fused, expected = item
         if DEVICE.type != "cuda" and variant == "graph":
@@ -397,6 +450,19 @@ def main() -> int:
                     ratio = f"{other['ms_per_token'] / ms:.2f}x"
             print(f"{name:<34}{r['batch']:>6}{ms:>12.4f}{r['tokens_per_s']:>14.1f}"
                   f"{r.get('floor_ms_per_token', math.nan):>10.4f}{ratio:>15}")
+    kernels = stages.get("kernels_b1")
+    if kernels:
+        print("kernels per decode step at batch 1 (torch.profiler; the greedy argmax adds one):")
+        for name, r in kernels.items():
+            if not isinstance(r, dict):
+                continue
+            if "error" in r:
+                print(f"  {name:<24} error: {r['error'][:120]}")
+                continue
+            print(f"  {name:<24}{r['kernels_per_step']:>8} kernels {r['kernel_us_per_step']:>10} us of kernel time")
+        best = kernels.get("graph+compile_fused", {})
+        for t in best.get("top", [])[:8]:
+            print(f"    {t['us_per_step']:>8} us  x{t['per_step']:<6} {t['kernel'][:70]}")
     e2e = stages.get("generate_end_to_end_b1")
     if e2e:
         how = f"{'fused' if e2e['fused'] else 'unfused'}{', compiled' if e2e['compiled'] else ''}"
