@@ -7,7 +7,8 @@ forward + backward time, the memory-traffic floor (bytes each must move / measur
 the activation memory kept for the backward. Decode: one token through the recurrent kernels at batch
 1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench (warmup 10 ms,
 rep 50 ms). Order: ours at every shape, our decode, --profile (per-kernel CUDA time of ours at
-8 x 4096 x 16, forward + backward and inference forward), then the peer (whose first calls autotune
+8 x 4096 x 16, forward + backward and inference forward; then the same shape timed and split with the
+GDN2_INTRA=64 variant of the intra kernel), then the peer (whose first calls autotune
 for a long time) shape by shape while --budget-s seconds are left. The JSON is rewritten after every
 stage, so a cut run keeps what it measured. --accuracy also runs bench/gpu_check_gdn2.py's accuracy
 table. Writes $OUT/ops_gdn2.json (./bench_out without $OUT).
@@ -153,6 +154,21 @@ def bench_decode(impls):
     save()
 
 
+def intra_variant_ab(bw):
+    """The [64, BK]-tile intra kernel (GDN2_INTRA=64) against the default at 8 x 4096 x 16: times and
+    its per-kernel split, in the same run."""
+    old = os.environ.get("GDN2_INTRA")
+    os.environ["GDN2_INTRA"] = "64"
+    try:
+        bench_training(8, 4096, 16, [("ours_intra64", ours_chunk)], bw)
+        profile_split(ours_chunk, name="ours_intra64")
+    finally:
+        if old is None:
+            os.environ.pop("GDN2_INTRA", None)
+        else:
+            os.environ["GDN2_INTRA"] = old
+
+
 def profile_split(fn, name="ours", reps=5):
     """Per-kernel CUDA time (ms per call of the operator) at 8 x 4096 x 16: one forward + backward and
     one inference forward, each averaged over ``reps`` profiled calls."""
@@ -217,6 +233,7 @@ def main():
     if args.profile:
         try:
             profile_split(ours_chunk)
+            intra_variant_ab(bw)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     rec("ours_done_s", round(time.time() - T_START, 1))
