@@ -37,6 +37,7 @@ from gpu_check_gdn2 import gpu_inputs  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 SHAPES = [(8, 4096, 16), (4, 8192, 16), (1, 32768, 16)]
+PROFILE_SHAPE = SHAPES[0]
 K = V = 128
 res: dict = {}
 
@@ -160,7 +161,7 @@ def intra_variant_ab(bw):
     old = os.environ.get("GDN2_INTRA")
     os.environ["GDN2_INTRA"] = "64"
     try:
-        bench_training(8, 4096, 16, [("ours_intra64", ours_chunk)], bw)
+        bench_training(*PROFILE_SHAPE, [("ours_intra64", ours_chunk)], bw)
         profile_split(ours_chunk, name="ours_intra64")
     finally:
         if old is None:
@@ -174,9 +175,10 @@ def profile_split(fn, name="ours", reps=5):
     one inference forward, each averaged over ``reps`` profiled calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    ins = gpu_inputs(8, 4096, 16, K, V, seed=3)
+    B, T, H = PROFILE_SHAPE
+    ins = gpu_inputs(B, T, H, K, V, seed=3)
     leaves = [x.detach().requires_grad_() for x in ins]
-    do = torch.randn(8, 4096, 16, V, device="cuda", dtype=ins[0].dtype)
+    do = torch.randn(B, T, H, V, device=ins[0].device, dtype=ins[0].dtype)
 
     def fb():
         for x in leaves:
@@ -202,7 +204,7 @@ def profile_split(fn, name="ours", reps=5):
                 rows.append((e.key, t / 1e3 / reps, e.count / reps))
         rows.sort(key=lambda r: -r[1])
         total = sum(ms for _, ms, _ in rows)
-        print(f"\nper-kernel CUDA time, {name} {label} at 8x4096x16 (ms per call, launches per call); "
+        print(f"\nper-kernel CUDA time, {name} {label} at {B}x{T}x{H} (ms per call, launches per call); "
               f"sum {total:.3f} ms", flush=True)
         for key, ms, n in rows[:16]:
             print(f"  {ms:8.3f} {n:4.1f}  {key[:90]}")
@@ -259,6 +261,11 @@ def main():
         sp = g("fla_fwdbwd_ms") / g("ours_fwdbwd_ms")
         print(f"| {tag} | {g('floor_fwd_ms')} | {g('ours_fwd_ms')} | {g('fla_fwd_ms')} | {g('floor_fwdbwd_ms')} | "
               f"{g('ours_fwdbwd_ms')} | {g('fla_fwdbwd_ms')} | {sp:.2f}x | {g('ours_saved_MB')} | {g('fla_saved_MB')} |")
+    ptag = "x".join(map(str, PROFILE_SHAPE))
+    if f"ours_intra64_fwd_ms_{ptag}" in res:
+        print(f"\nGDN2_INTRA=64 at {ptag}: forward {res[f'ours_intra64_fwd_ms_{ptag}']} ms, forward + backward "
+              f"{res.get(f'ours_intra64_fwdbwd_ms_{ptag}')} ms (default: {res.get(f'ours_fwd_ms_{ptag}')} / "
+              f"{res.get(f'ours_fwdbwd_ms_{ptag}')} ms)")
     print("\n| decode (T=1, H=16) | floor us | ours us | ours in-place us | fla us |\n|---|---|---|---|---|")
     for Bd in (1, 64, 256):
         print(f"| batch {Bd} | {res.get(f'floor_decode_us_B{Bd}')} | {res.get(f'ours_decode_us_B{Bd}')} | "
