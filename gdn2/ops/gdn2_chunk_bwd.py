@@ -307,14 +307,11 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     i_k = tl.program_id(0) % NK
     i_h = tl.program_id(1)
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    o_t = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
-    m_t = o_t < L
     row0 = t0.to(tl.int64) * H + i_h
     base = row0 * K
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
 
     # intra-chunk part in 16-row sub-chunks: gradients of Aqk and T through their pairwise decays,
     # block by block as the forward built them (sub-chunks spelled out: see gdn2_intra_kernel)

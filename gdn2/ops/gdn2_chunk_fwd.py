@@ -384,7 +384,6 @@ def exact_diag64(q, k, b, g, base, i: tl.constexpr, d_qk, d_t, o_t3, L, H: tl.co
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Replace the diagonal block i of the [BT, BT] accumulators d_qk (Aqk) and d_t (T) by the exact
     column-by-column product (pairwise exp2 of in-sub-chunk cumulative decays, exponent <= 0)."""
-    NS: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     x_qk = tl.zeros([BT, BT], dtype=tl.float32)
     x_t = tl.zeros([BT, BT], dtype=tl.float32)
