@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tests"):  # the package, and helper modules shared by the tests
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 # Test tensors are tiny: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)

@@ -170,7 +170,7 @@ def sliding_window_attention_reference(
     returns q's dtype. A query that sees no key (impossible without padding) gets zeros.
     """
     B, Tq, H, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
+    Tk = k.shape[1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if scale is None:
         scale = D ** -0.5
@@ -202,7 +202,6 @@ def sliding_window_attention_torch(
 ) -> torch.Tensor:
     """The same function through ``F.scaled_dot_product_attention`` with a boolean mask (fast on CPU)."""
     B, T, H, D = q.shape
-    Hkv = k.shape[2]
     if q.dtype == torch.float64:
         return sliding_window_attention_reference(q, k, v, window, scale, cu_seqlens)
     i = torch.arange(T, device=q.device)

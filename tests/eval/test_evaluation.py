@@ -13,6 +13,7 @@ import gdn2.evaluation  # noqa: F401  registers "gdn2"
 from gdn2.evaluation import GDN2LM, evaluate_model, summarize
 from gdn2.generate import load_model
 from gdn2.model import GPT
+from decode_helpers import greedy_by_full_forward
 
 from .conftest import MAX_LENGTH, ROOT
 
@@ -98,21 +99,13 @@ def test_rolling_within_max_length_equals_one_forward_pass(artifacts):
     assert got == pytest.approx(_direct_logprob(long_lm.model, ids, len(ids) - 1)[0], abs=1e-9)
 
 
-def _greedy_by_full_forward(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_generate_until_is_greedy_and_batching_changes_nothing(lm, artifacts):
     folder, tok, _ = artifacts
     contexts = ["The river", "Once upon a time, in a small village by the sea, there lived", "A", "Bees make"]
     gen_kwargs = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
     batched = lm.generate_until(_requests("generate_until", [(c, gen_kwargs) for c in contexts]))
     for c, text in zip(contexts, batched):
-        ids = _greedy_by_full_forward(lm.model, [tok.eos_id] + tok.encode(c), 6)
+        ids = greedy_by_full_forward(lm.model, [tok.eos_id] + tok.encode(c), 6)
         if tok.eos_id in ids:
             ids = ids[: ids.index(tok.eos_id)]
         expected = tok.decode(ids)

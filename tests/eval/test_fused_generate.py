@@ -4,40 +4,23 @@ full forward passes, also after the model's weights change between calls; the co
 import pytest
 import torch
 
-from gdn2.config import Config
 from gdn2.generate import Generator, main
-from gdn2.model import GPT, InferenceCache, compiled_block_step
+from gdn2.model import InferenceCache, compiled_block_step
+from decode_helpers import DECODE_MODELS, greedy_by_full_forward, tiny_decoding_model
 
-MODELS = [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)), ("gdn2_tiny", {}),
-          ("transformer_tiny", {})]
-
-
-def _model(name, **kw):
-    torch.manual_seed(0)
-    m = GPT(Config.from_name(name, vocab_size=256, n_layer=2, **kw)).double().eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(50.0)  # logits far from ties
-    return m
-
-
-def _greedy_by_full_forward(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+MODELS = DECODE_MODELS
 
 
 @pytest.mark.parametrize("name,kw", MODELS)
 def test_fused_and_unfused_generators_agree_with_the_full_forward(name, kw):
-    model = _model(name, **kw)
+    model = tiny_decoding_model(name, **kw)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 11, 1, 7)]
     fused = Generator(model, max_batch_size=4)
     plain = Generator(model, max_batch_size=4, fused=False)
     assert fused.fused and not plain.fused and not fused.compile  # CPU: not compiled by default
     got = fused.generate(prompts, max_new_tokens=6)
     assert [c.tokens for c in got] == [c.tokens for c in plain.generate(prompts, max_new_tokens=6)]
-    assert [c.tokens for c in got] == [_greedy_by_full_forward(model, p, 6) for p in prompts]
+    assert [c.tokens for c in got] == [greedy_by_full_forward(model, p, 6) for p in prompts]
     assert plain._weights is None and fused._weights is not None
     fused.release()
     assert fused._weights is None
@@ -45,7 +28,7 @@ def test_fused_and_unfused_generators_agree_with_the_full_forward(name, kw):
 
 def test_generator_follows_weight_changes_between_calls():
     """A Generator kept across training steps and checkpoint loads decodes with the current weights."""
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     gen = Generator(model, max_batch_size=2)
     prompts = [[5, 6, 7, 8], [9, 10]]
     first = gen.generate(prompts, max_new_tokens=6)
@@ -60,16 +43,16 @@ def test_generator_follows_weight_changes_between_calls():
         opt.zero_grad()
     model.eval()
     trained = gen.generate(prompts, max_new_tokens=6)
-    assert [c.tokens for c in trained] == [_greedy_by_full_forward(model, p, 6) for p in prompts]
+    assert [c.tokens for c in trained] == [greedy_by_full_forward(model, p, 6) for p in prompts]
     assert [c.tokens for c in trained] != [c.tokens for c in first]
 
-    other = _model("swa_gdn2_tiny", sliding_window=6)
+    other = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     with torch.no_grad():
         for p in other.parameters():
             p.copy_(torch.randn_like(p) * p.std().clamp_min(1e-3) + p.mean())
     model.load_state_dict(other.state_dict())
     loaded = gen.generate(prompts, max_new_tokens=6)
-    assert [c.tokens for c in loaded] == [_greedy_by_full_forward(other, p, 6) for p in prompts]
+    assert [c.tokens for c in loaded] == [greedy_by_full_forward(other, p, 6) for p in prompts]
     assert gen._weights is kept  # refreshed in place, not rebuilt
 
 
@@ -79,7 +62,7 @@ def test_compiled_fused_step_traces_whole_and_matches_eager():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     weights = model.prepare_decoding()
     torch._dynamo.reset()
     counters.clear()
@@ -106,7 +89,7 @@ def test_compiled_fused_step_traces_whole_and_matches_eager():
 # importing inductor (torch.compile's default backend) warns about torch.jit internals it uses
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_switch_and_cli_flags(monkeypatch):
-    model = _model("gdn2_tiny")
+    model = tiny_decoding_model("gdn2_tiny")
     assert Generator(model).compile is False  # CPU decoding stays uncompiled by default
     gen = Generator(model, compile=True)
     assert gen.compile and gen._block_step is compiled_block_step()

@@ -3,34 +3,17 @@
 import pytest
 import torch
 
-from gdn2.config import Config
 from gdn2.generate import Generator, SamplingParams, filter_logits, sample_tokens
 from gdn2.model import GPT, InferenceCache
+from decode_helpers import DECODE_MODELS, greedy_by_full_forward, tiny_decoding_model
 
 
-def _model(name, **kw):
-    torch.manual_seed(0)
-    m = GPT(Config.from_name(name, vocab_size=256, n_layer=2, **kw)).double().eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(50.0)  # logits far from ties
-    return m
-
-
-MODELS = [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)), ("gdn2_tiny", {}),
-          ("transformer_tiny", {})]
-
-
-def _greedy_by_full_forward(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+MODELS = DECODE_MODELS
 
 
 @pytest.mark.parametrize("name,kw", MODELS)
 def test_ragged_prefill_and_decode_step_equal_full_forward(name, kw):
-    model = _model(name, **kw)
+    model = tiny_decoding_model(name, **kw)
     lengths = [5, 13, 1, 9]
     seqs = [torch.randint(0, 256, (n + 8,)) for n in lengths]
     cache = InferenceCache(model, 4, max_length=32)
@@ -50,32 +33,32 @@ def test_ragged_prefill_and_decode_step_equal_full_forward(name, kw):
 
 @pytest.mark.parametrize("name,kw", MODELS)
 def test_greedy_equals_argmax_of_full_forward_and_batching_changes_nothing(name, kw):
-    model = _model(name, **kw)
+    model = tiny_decoding_model(name, **kw)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 11, 1, 7)]
     gen = Generator(model, max_batch_size=3)  # two slices: 3 prompts, then 1
     batched = gen.generate(prompts, max_new_tokens=8)
     for p, c in zip(prompts, batched):
-        assert c.tokens == _greedy_by_full_forward(model, p, 8)
+        assert c.tokens == greedy_by_full_forward(model, p, 8)
         assert c.finish_reason == "length" and c.text is None
     assert [gen.generate([p], max_new_tokens=8)[0].tokens for p in prompts] == [c.tokens for c in batched]
 
 
 def test_sliding_window_generation_runs_past_the_window():
-    model = _model("swa_gdn2_tiny", sliding_window=4)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=4)
     prompt = torch.randint(0, 256, (6,)).tolist()
     out = Generator(model, max_batch_size=1).generate([prompt], max_new_tokens=12)[0]
-    assert out.tokens == _greedy_by_full_forward(model, prompt, 12)
+    assert out.tokens == greedy_by_full_forward(model, prompt, 12)
 
 
 def test_full_attention_overflow_is_an_error():
-    model = _model("transformer_tiny")
+    model = tiny_decoding_model("transformer_tiny")
     gen = Generator(model, max_batch_size=1, max_length=16)
     with pytest.raises(ValueError, match="max_length"):
         gen.generate([[1] * 10], max_new_tokens=8)
 
 
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     prompts = [[5, 6, 7], [9]]
     gen = Generator(model, max_batch_size=2)
     kw = dict(max_new_tokens=8, temperature=1.5, top_p=0.9, seed=11)
@@ -134,7 +117,7 @@ def test_bad_arguments_are_value_errors():
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
-    model = _model("gdn2_tiny")
+    model = tiny_decoding_model("gdn2_tiny")
     with pytest.raises(ValueError, match="empty"):
         Generator(model).generate([[]])
     with pytest.raises(ValueError, match="tokenizer"):
@@ -148,7 +131,7 @@ def test_decode_step_compiles_to_one_graph_per_layer_kind():
 
     from gdn2.model import block_decode_step
 
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     torch._dynamo.reset()
     compiled = torch.compile(block_decode_step, backend="aot_eager", fullgraph=True, dynamic=False)
     prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]

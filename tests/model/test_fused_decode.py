@@ -4,21 +4,13 @@ forward, parameters untouched, and the copies follow (or refuse) later weight ch
 import pytest
 import torch
 
-from gdn2.config import Config
-from gdn2.model import GPT, InferenceCache
+from gdn2.model import InferenceCache
+from decode_helpers import tiny_decoding_model
 
 # the GDN-2 variant covers grouped value heads (HV != H), V != K and the doubled erase gate
 MODELS = [("gdn2_tiny", dict(gdn2_num_v_heads=8, gdn2_expand_v=2.0, allow_neg_eigval=True)),
           ("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)),
           ("transformer_tiny", {})]
-
-
-def _model(name, **kw):
-    torch.manual_seed(0)
-    m = GPT(Config.from_name(name, vocab_size=256, n_layer=2, **kw)).double().eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(50.0)  # logits far from ties
-    return m
 
 
 def _cache_tensors(cache):
@@ -41,7 +33,7 @@ def _decode(model, seqs, lengths, steps, weights=None):
 
 @pytest.mark.parametrize("name,kw", MODELS)
 def test_fused_step_equals_unfused_step_and_full_forward(name, kw):
-    model = _model(name, **kw)
+    model = tiny_decoding_model(name, **kw)
     lengths = [5, 13, 1, 9]
     seqs = [torch.randint(0, 256, (n + 8,)) for n in lengths]
     weights = model.prepare_decoding()
@@ -59,7 +51,7 @@ def test_fused_step_equals_unfused_step_and_full_forward(name, kw):
 
 
 def test_fused_layout_is_a_copy_of_the_parameters():
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     names = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
     weights = model.prepare_decoding()
     assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == names  # nothing added or changed
@@ -92,7 +84,7 @@ def _continue(model, weights, prompt, steps=4):
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused"])
 def test_stale_weights_after_an_optimizer_step_are_refused_then_refreshed_in_place(optimizer):
-    model = _model("swa_gdn2_tiny", sliding_window=6)
+    model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     weights = model.prepare_decoding()
     buffers = [t.data_ptr() for b in weights.blocks for t in b.tensors()]
     prompt = torch.randint(0, 256, (7,))
@@ -115,8 +107,8 @@ def test_stale_weights_after_an_optimizer_step_are_refused_then_refreshed_in_pla
 
 
 def test_refresh_follows_load_state_dict_in_place_edits_and_dtype_changes():
-    model = _model("gdn2_tiny")
-    other = _model("gdn2_tiny")
+    model = tiny_decoding_model("gdn2_tiny")
+    other = tiny_decoding_model("gdn2_tiny")
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -147,7 +139,7 @@ def test_refresh_follows_load_state_dict_in_place_edits_and_dtype_changes():
 
 
 def test_weights_of_another_model_are_refused():
-    a, b = _model("transformer_tiny"), _model("transformer_tiny")
+    a, b = tiny_decoding_model("transformer_tiny"), tiny_decoding_model("transformer_tiny")
     cache = InferenceCache(a, 1, max_length=8)
     with torch.no_grad(), pytest.raises(ValueError, match="another model"):
         a.decode_step(torch.tensor([1]), cache, weights=b.prepare_decoding())
