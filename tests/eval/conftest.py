@@ -2,7 +2,6 @@
 model (GDN-2 layer + sliding-window attention layer) and its consolidated checkpoint."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from gdn2.generate import Generator, main
-from gdn2.model import InferenceCache, compiled_block_step
-from decode_helpers import DECODE_MODELS, greedy_by_full_forward, tiny_decoding_model
+from gdn2.model import compiled_block_step
+from decode_helpers import (DECODE_MODELS, assert_compiled_decode_matches_eager, greedy_by_full_forward,
+                            tiny_decoding_model)
 
 MODELS = DECODE_MODELS
 
@@ -67,22 +68,8 @@ def test_compiled_fused_step_traces_whole_and_matches_eager():
     torch._dynamo.reset()
     counters.clear()
     compiled = compiled_block_step("aot_eager", fullgraph=True)
-    prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]
-    eager_cache, compiled_cache = InferenceCache(model, 2, max_length=32), InferenceCache(model, 2, max_length=32)
-    tokens = torch.tensor([3, 4])
-    with torch.no_grad():
-        model.prefill(prompts, eager_cache)
-        model.prefill(prompts, compiled_cache)
-        for _ in range(8):  # past the window of 6: the ring buffer wraps
-            expected = model.decode_step(tokens, eager_cache, weights=weights)
-            got = model.decode_step(tokens, compiled_cache, compiled, weights)
-            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-            tokens = expected.argmax(-1)
+    assert_compiled_decode_matches_eager(model, compiled, weights)
     assert counters["stats"]["unique_graphs"] == 4  # inputs, gdn2 block, attention block, head
-    for a, b in zip(eager_cache.layers, compiled_cache.layers):
-        for name, t in vars(a).items():
-            if torch.is_tensor(t):
-                torch.testing.assert_close(getattr(b, name), t, atol=1e-12, rtol=0)
     torch._dynamo.reset()
 
 

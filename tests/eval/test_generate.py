@@ -5,7 +5,8 @@ import torch
 
 from gdn2.generate import Generator, SamplingParams, filter_logits, sample_tokens
 from gdn2.model import GPT, InferenceCache
-from decode_helpers import DECODE_MODELS, greedy_by_full_forward, tiny_decoding_model
+from decode_helpers import (DECODE_MODELS, assert_compiled_decode_matches_eager, greedy_by_full_forward,
+                            tiny_decoding_model)
 
 
 MODELS = DECODE_MODELS
@@ -134,19 +135,5 @@ def test_decode_step_compiles_to_one_graph_per_layer_kind():
     model = tiny_decoding_model("swa_gdn2_tiny", sliding_window=6)
     torch._dynamo.reset()
     compiled = torch.compile(block_decode_step, backend="aot_eager", fullgraph=True, dynamic=False)
-    prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]
-    eager_cache, compiled_cache = InferenceCache(model, 2, max_length=32), InferenceCache(model, 2, max_length=32)
-    tokens = torch.tensor([3, 4])
-    with torch.no_grad():
-        model.prefill(prompts, eager_cache)
-        model.prefill(prompts, compiled_cache)
-        for _ in range(8):  # past the window of 6: the ring buffer wraps
-            expected = model.decode_step(tokens, eager_cache)
-            got = model.decode_step(tokens, compiled_cache, block_step=compiled)
-            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-            tokens = expected.argmax(-1)
-    for a, b in zip(eager_cache.layers, compiled_cache.layers):
-        for name, t in vars(a).items():
-            if torch.is_tensor(t):
-                torch.testing.assert_close(getattr(b, name), t, atol=1e-12, rtol=0)
+    assert_compiled_decode_matches_eager(model, compiled)
     torch._dynamo.reset()
