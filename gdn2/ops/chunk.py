@@ -11,22 +11,15 @@ The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_qkbg64_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
-                                     gdn2_bwd_wy_kernel)
-from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra64_kernel, gdn2_intra_kernel
+from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
-
-
-def _tiles64() -> bool:
-    # GDN2_INTRA=64: the [64, BK]-tile variants of the intra-chunk kernels (same results), read per call
-    return os.environ.get("GDN2_INTRA", "16") == "64"
 
 
 def _size_bucket(n: int) -> int:
@@ -47,8 +40,7 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
     u = torch.empty(TT, H, V, device=dev, dtype=dt) if store_u else v
     gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
     cu, info, _ = lay.kernel_args(gcl)
-    kernel = gdn2_intra64_kernel if _tiles64() else gdn2_intra_kernel
-    kernel[(lay.NC, H)](
+    gdn2_intra_kernel[(lay.NC, H)](
         q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT, int(store_u),
         H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
         DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
@@ -113,8 +105,7 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     db = torch.empty_like(b)
     dg = torch.empty_like(g)
-    qkbg = gdn2_bwd_qkbg64_kernel if _tiles64() else gdn2_bwd_qkbg_kernel
-    qkbg[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+    gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
         q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
         lay.T, lay.NT, H=H, K=K, V=V, KP=padded(K), VP=padded(V),
         IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)

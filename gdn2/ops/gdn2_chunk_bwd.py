@@ -23,14 +23,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import FAST_SPAN, LOG2E, load3, load_sub_chunk, scan_config, sub_row
+from gdn2.ops.gdn2_chunk_fwd import load_sub_chunk, scan_config
 from gdn2.ops.gdn2_triton_utils import cat4, chunk_bounds, exp2_nonpos, load_rows, seq_bounds, tuned
 
 
 _SCAN_CONFIGS = [
+    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 16}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
 ]
 
 
@@ -90,9 +90,12 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
     tl.store(dh0 + p_s, b_dh, mask=m_kv)
 
 
+# pinned first; measured at 8 x 4096 x 16 (H200, bf16): BV 128 / 4 warps / 3 stages 0.38 ms,
+# BV 64 / 4 warps 0.45 ms, BV 32 / 4 warps 0.54 ms, BV 64 / 8 warps 0.65 ms
 _WY_CONFIGS = [
+    triton.Config({"BV": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 64}, num_warps=8, num_stages=2),
 ]
 
 
@@ -283,10 +286,14 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=msk)
 
 
+# pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 64 / BV 32 / 8 warps 4.85 ms,
+# 4 warps 5.79 ms, 2 warps 11.0 ms; BK 32 / BV 32 / 2 warps 6.72 ms. BK 32 / BV 64 / 4 warps / 1 stage
+# ran in 3.3 ms but gave wrong gradients there (relative error 0.13; right under the interpreter):
+# a miscompile, so it is not offered.
 _QKBG_CONFIGS = [
     triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 32, "BV": 32}, num_warps=2, num_stages=1),
 ]
 
 
@@ -357,159 +364,5 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     b_dkc = cat4(dk0, dk1, dk2, dk3, BC, BK)
     b_G = cat4(G0, G1, G2, G3, BC, BK)
 
-    qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_dq_i, b_dbk, b_dkc, b_G, e3,
-                i_c, i_h, row0, base, o_k, L, H, K, V, DOT_PREC, BT, BK, BV)
-
-
-@triton.jit
-def exact_diag64_grad(b_q, b_k, b_bk, b_S, d_a, d_t, b_dq, b_dbk, b_dk, i: tl.constexpr, BT: tl.constexpr,
-                      BC: tl.constexpr):
-    """Add the gradients of the exact diagonal block i (column by column, pairwise exp2 of in-sub-chunk
-    cumulative decays b_S) to dq, d(b*k), dk ([BT, BK] tiles)."""
-    o_t = tl.arange(0, BT)
-    in_i = (o_t // BC) == i
-    for c in range(0, BC):
-        s = i * BC + c
-        sel = o_t == s
-        s_s = tl.sum(tl.where(sel[:, None], b_S, 0.0), axis=0)
-        k_s = tl.sum(tl.where(sel[:, None], b_k, 0.0), axis=0)
-        b_e = exp2_nonpos(b_S - s_s[None, :])
-        c_a = tl.where(in_i, tl.sum(tl.where(sel[None, :], d_a, 0.0), axis=1), 0.0)
-        c_t = tl.where(in_i, tl.sum(tl.where(sel[None, :], d_t, 0.0), axis=1), 0.0)
-        b_dq += c_a[:, None] * b_e * k_s[None, :]
-        b_dbk += c_t[:, None] * b_e * k_s[None, :]
-        dk_s = tl.sum((c_a[:, None] * b_q + c_t[:, None] * b_bk) * b_e, axis=0)
-        b_dk = tl.where(sel[:, None], b_dk + dk_s[None, :], b_dk)
-    return b_dq, b_dbk, b_dk
-
-
-# pinned first; ptxas (sm_90, triton 3.6, K = V = 128, bf16) spills per thread: BK 32 / BV 32 / 8 warps
-# 0.16 KB, BK 32 / BV 64 / 8 warps 0.23 KB, BK 64 / BV 32 / 8 warps 1.7 KB, 4 warps 2.9 KB (the four
-# [64, 64] fp32 dAqk / dT tiles, straight and transposed, dominate)
-_QKBG64_CONFIGS = [
-    triton.Config({"BK": 32, "BV": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
-]
-
-
-@tuned(_QKBG64_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
-@triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_qkbg64_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq, dk, db, dg,
-                           cu, chunk_info, scale, T, NT,
-                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                           VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """``gdn2_bwd_qkbg_kernel`` with the intra-chunk part as the three [64, 64] products of
-    ``gdn2_intra64_kernel`` differentiated (GDN2_INTRA=64): per matrix, row side
-    F * (dA_d (k/F) + dA_4 (k H) + r5 dA_5 (k H c5)), column side from the transposed tiles (read in
-    transposed order); the diagonal blocks of steep sub-chunks by the exact column path."""
-    NS: tl.constexpr = BT // BC
-    NK = tl.cdiv(K, BK)
-    i_c = tl.program_id(0) // NK
-    i_k = tl.program_id(0) % NK
-    i_h = tl.program_id(1)
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < L
-    row0 = t0.to(tl.int64) * H + i_h
-    base = row0 * K
-    dt = q.dtype.element_ty
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_s = tl.arange(0, NS)
-    o_t3 = o_s[:, None] * BC + tl.arange(0, BC)[None, :]
-    blk = o_t // BC
-
-    b_q3 = load3(q, base, o_t3, o_k, L, H, K)
-    b_k3 = load3(k, base, o_t3, o_k, L, H, K)
-    b_bk3 = load3(b, base, o_t3, o_k, L, H, K) * b_k3
-    b_g3 = load3(g, base, o_t3, o_k, L, H, K) * LOG2E
-    b_sf = tl.cumsum(b_g3, axis=1)
-    b_sr = tl.cumsum(b_g3, axis=1, reverse=True) - b_g3
-    tot = tl.sum(b_g3, axis=1)
-    e4 = tl.cumsum(tot, axis=0)
-    a4 = e4 - tot
-    slow = (tl.min(tot, axis=1) < -2 * FAST_SPAN).to(tl.int32)
-    e0 = sub_row(e4, 0, NS)
-    e1 = sub_row(e4, 1, NS)
-    e2 = sub_row(e4, 2, NS)
-    e3 = sub_row(e4, 3, NS)
-    r5 = tl.where(o_s[:, None] == 3, tl.exp2(e2 - e1)[None, :], tl.where(o_s[:, None] == 2, 1.0, 0.0))
-    c5 = tl.where(o_s[:, None] == 0, tl.exp2(e1 - e0)[None, :], tl.where(o_s[:, None] == 1, 1.0, 0.0))
-    odd = (o_s % 2 == 1)[:, None, None]
-    b_f3 = tl.exp2(b_sf)
-    b_h3 = tl.exp2(b_sr)
-    b_kinv3 = tl.exp2(tl.minimum(-b_sf, 2 * FAST_SPAN))
-    b_q = tl.reshape(b_q3, (BT, BK))
-    b_k = tl.reshape(b_k3, (BT, BK))
-    b_bk = tl.reshape(b_bk3, (BT, BK))
-    b_f = tl.reshape(b_f3, (BT, BK))
-    b_kinv = tl.reshape(b_kinv3, (BT, BK))
-    b_h = tl.reshape(b_h3, (BT, BK))
-    x_qf = b_q * b_f
-    x_bf = b_bk * b_f
-
-    # masks of the three products and of the steep rows (whose diagonal blocks take the exact path)
-    fast_r = tl.sum(tl.where(blk[:, None] == o_s[None, :], slow[None, :], 0), axis=1) == 0
-    m_d = (blk[:, None] == blk[None, :]) & fast_r[:, None]
-    m_4 = (blk[:, None] == blk[None, :] + 1) & ((blk[:, None] % 2) == 1)
-    m_5 = (blk[:, None] >= 2) & (blk[None, :] < 2)
-    m_dt = (blk[:, None] == blk[None, :]) & fast_r[None, :]  # masks of the transposed tiles: [s, r]
-    m_4t = (blk[None, :] == blk[:, None] + 1) & ((blk[None, :] % 2) == 1)
-    m_5t = (blk[None, :] >= 2) & (blk[:, None] < 2)
-    p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
-    p_at = row0 * BT + (o_t[None, :] * (H * BT) + o_t[:, None])
-
-    d_a = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-    d_t = tl.load(dtm + p_a, mask=m_t[:, None], other=0.0)
-    d_at = tl.load(daqk + p_at, mask=m_t[None, :], other=0.0)
-    d_tt = tl.load(dtm + p_at, mask=m_t[None, :], other=0.0)
-    # diagonal blocks (fp32 operands, as in the forward)
-    x_k = b_k * b_kinv
-    b_dq_i = b_f * tl.dot(tl.where(m_d, d_a, 0.0), x_k, input_precision=DOT_PREC)
-    b_dbk = b_f * tl.dot(tl.where(m_d, d_t, 0.0), x_k, input_precision=DOT_PREC)
-    b_dkc = b_kinv * (tl.dot(tl.where(m_dt, d_at, 0.0), x_qf, input_precision=DOT_PREC)
-                      + tl.dot(tl.where(m_dt, d_tt, 0.0), x_bf, input_precision=DOT_PREC))
-    # blocks (1,0), (3,2): row factor F, column factor H (operands in the input dtype)
-    x_k4 = tl.reshape(tl.where(odd, 0.0, b_k3 * b_h3), (BT, BK)).to(dt)
-    y_q = tl.dot(tl.where(m_4, d_a, 0.0).to(dt), x_k4, input_precision=DOT_PREC)
-    y_b = tl.dot(tl.where(m_4, d_t, 0.0).to(dt), x_k4, input_precision=DOT_PREC)
-    x_q = tl.reshape(tl.where(odd, b_q3 * b_f3, 0.0), (BT, BK)).to(dt)
-    x_b = tl.reshape(tl.where(odd, b_bk3 * b_f3, 0.0), (BT, BK)).to(dt)
-    y_k = tl.dot(tl.where(m_4t, d_at, 0.0).to(dt), x_q, input_precision=DOT_PREC) \
-        + tl.dot(tl.where(m_4t, d_tt, 0.0).to(dt), x_b, input_precision=DOT_PREC)
-    b_dq_i += b_f * y_q
-    b_dbk += b_f * y_b
-    b_dkc += b_h * y_k
-    # rows 32.. x columns ..31: row factor F r5, column factor H c5
-    x_k5 = tl.reshape(b_k3 * b_h3 * c5[:, None, :], (BT, BK)).to(dt)
-    y_q = tl.dot(tl.where(m_5, d_a, 0.0).to(dt), x_k5, input_precision=DOT_PREC)
-    y_b = tl.dot(tl.where(m_5, d_t, 0.0).to(dt), x_k5, input_precision=DOT_PREC)
-    x_q = tl.reshape(b_q3 * b_f3 * r5[:, None, :], (BT, BK)).to(dt)
-    x_b = tl.reshape(b_bk3 * b_f3 * r5[:, None, :], (BT, BK)).to(dt)
-    y_k = tl.dot(tl.where(m_5t, d_at, 0.0).to(dt), x_q, input_precision=DOT_PREC) \
-        + tl.dot(tl.where(m_5t, d_tt, 0.0).to(dt), x_b, input_precision=DOT_PREC)
-    r5t = tl.reshape(tl.broadcast_to(r5[:, None, :], (NS, BC, BK)), (BT, BK))
-    c5t = tl.reshape(tl.broadcast_to(c5[:, None, :], (NS, BC, BK)), (BT, BK))
-    b_dq_i += b_f * r5t * y_q
-    b_dbk += b_f * r5t * y_b
-    b_dkc += b_h * c5t * y_k
-
-    # steep sub-chunks: exact diagonal gradients
-    b_S = tl.reshape(b_sf, (BT, BK))
-    if tl.sum(tl.where(o_s == 0, slow, 0), axis=0) != 0:
-        b_dq_i, b_dbk, b_dkc = exact_diag64_grad(b_q, b_k, b_bk, b_S, d_a, d_t, b_dq_i, b_dbk, b_dkc,
-                                                 0, BT, BC)
-    if tl.sum(tl.where(o_s == 1, slow, 0), axis=0) != 0:
-        b_dq_i, b_dbk, b_dkc = exact_diag64_grad(b_q, b_k, b_bk, b_S, d_a, d_t, b_dq_i, b_dbk, b_dkc,
-                                                 1, BT, BC)
-    if tl.sum(tl.where(o_s == 2, slow, 0), axis=0) != 0:
-        b_dq_i, b_dbk, b_dkc = exact_diag64_grad(b_q, b_k, b_bk, b_S, d_a, d_t, b_dq_i, b_dbk, b_dkc,
-                                                 2, BT, BC)
-    if tl.sum(tl.where(o_s == 3, slow, 0), axis=0) != 0:
-        b_dq_i, b_dbk, b_dkc = exact_diag64_grad(b_q, b_k, b_bk, b_S, d_a, d_t, b_dq_i, b_dbk, b_dkc,
-                                                 3, BT, BC)
-
-    b_G = tl.reshape(a4[:, None, :] + b_sf, (BT, BK))
     qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_dq_i, b_dbk, b_dkc, b_G, e3,
                 i_c, i_h, row0, base, o_k, L, H, K, V, DOT_PREC, BT, BK, BV)

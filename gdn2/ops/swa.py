@@ -21,7 +21,6 @@ spills made it slower on an H200).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -30,11 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 __all__ = [
     "FwdConfig", "BwdConfig", "sliding_window_attention_triton", "swa_forward", "swa_backward",
+    "swa_backward_dq", "swa_backward_dkdv",
     "key_block_range", "query_block_range", "default_configs",
 ]
 
@@ -45,11 +50,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Tile shape of the forward kernel: BLOCK_M queries x BLOCK_N keys per step."""
+    """Tile shape of the forward kernel: BLOCK_M queries x BLOCK_N keys per step; ``tma``: k and v
+    tiles come through Hopper TMA descriptors (falls back to pointer loads where TMA cannot be used)."""
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,8 @@ class BwdConfig:
     ``block_n`` keys per dk/dv program, stepping over ``block_m`` queries at a time. With
     ``atomic_dq`` the same pass adds dq into an fp32 buffer (``dq_transposed``: computed as
     k^T ds^T, for small ``block_m``); otherwise a second kernel computes dq with ``dq_block_m``
-    queries per program stepping over ``dq_block_n`` keys.
+    queries per program stepping over ``dq_block_n`` keys. ``tma`` / ``dq_tma``: the streamed tiles
+    (q and do in the dk/dv kernel, k and v in the dq kernel) come through Hopper TMA descriptors.
     """
     block_m: int = 32
     block_n: int = 128
@@ -71,6 +79,8 @@ class BwdConfig:
     dq_num_warps: int = 8
     dq_num_stages: int = 3
     dq_transposed: bool = False
+    tma: bool = False
+    dq_tma: bool = False
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -212,15 +222,21 @@ def _load_tile(ptrs, rows, seq_len, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
-def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                  start, end, seq_len, WINDOW, qk_scale,
+def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, k_desc, v_desc, row0, col0, kv_stride,
+                  offs_m, offs_n, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
-        k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
-        v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        if TMA:
+            # rows past the sequence are the next sequence's (or zeros): only masked blocks reach
+            # them, and the causal mask drops them for every stored query row
+            k = k_desc.load([row0 + n0, col0])
+            v = v_desc.load([row0 + n0, col0])
+        else:
+            off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
+            k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+            v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = cols[None, :] <= offs_m[:, None]
@@ -257,10 +273,11 @@ def _key_bounds(m0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _swa_fwd_kernel(Q, K, V, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_scale, NUM_BLOCKS,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, RECORD_VISITS: tl.constexpr,
-                    PRECISION: tl.constexpr, WIDE: tl.constexpr):
+def _swa_fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_scale,
+                    NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                    TMA: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -286,15 +303,18 @@ def _swa_fwd_kernel(Q, K, V, O, LSE, CU, TABLE, VISITS, T, H, HKV, WINDOW, qk_sc
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     visits = 0 * pid
-    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
-                                          offs_n, offs_d, mask_d, lo, a, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
-    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
-                                          offs_n, offs_d, mask_d, a, b_int, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
-    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, kv_stride, offs_m,
-                                          offs_n, offs_d, mask_d, b_int, hi, seq_len, WINDOW, qk_scale,
-                                          BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, K_DESC, V_DESC, bos,
+                                          hk * D, kv_stride, offs_m, offs_n, offs_d, mask_d, lo, a,
+                                          seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D,
+                                          PRECISION, WIDE, TMA)
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, K_DESC, V_DESC, bos,
+                                          hk * D, kv_stride, offs_m, offs_n, offs_d, mask_d, a, b_int,
+                                          seq_len, WINDOW, qk_scale, BLOCK_N, False, HAS_WINDOW, EVEN_D,
+                                          PRECISION, WIDE, TMA)
+    acc, l_i, m_i, visits = _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, K_DESC, V_DESC, bos,
+                                          hk * D, kv_stride, offs_m, offs_n, offs_d, mask_d, b_int, hi,
+                                          seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D,
+                                          PRECISION, WIDE, TMA)
     row_ok = offs_m < seq_len
     l_safe = tl.where(row_ok, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -339,17 +359,23 @@ def _query_bounds(n0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base, delta_base, q_stride,
-                     offs_n, offs_m_tile, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale, scale,
+def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row0, col0, dq_base,
+                     lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d, start, end,
+                     seq_len, WINDOW, qk_scale, scale,
                      BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
-                     PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                     PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
     # transposed space: rows are keys, columns are queries, so dk and dv come out without transposes
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m_tile
         off = _tile_offsets(rows, q_stride, offs_d, WIDE)
-        q = _load_tile(q_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
-        do = _load_tile(do_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+        if TMA:
+            # query rows past the sequence carry other data: the mask below zeroes their p and ds
+            q = q_desc.load([row0 + m0, col0])
+            do = do_desc.load([row0 + m0, col0])
+        else:
+            q = _load_tile(q_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+            do = _load_tile(do_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < seq_len, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < seq_len, other=0.0)
@@ -398,12 +424,13 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base, d
 
 
 @triton.jit
-def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VISITS, T, H, HKV, WINDOW,
-                         qk_scale, scale, NUM_BLOCKS,
+def _swa_bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VISITS, T,
+                         H, HKV, WINDOW, qk_scale, scale, NUM_BLOCKS,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
                          ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
-                         RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                         RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                         TMA: tl.constexpr):
     pid = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
@@ -433,21 +460,21 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VIS
         dq_base = DQ_ACC + bos.to(tl.int64) * q_stride + h * D
         lse_base = LSE + (b * H + h).to(tl.int64) * T + bos - b * T
         delta_base = DELTA + (b * H + h).to(tl.int64) * T + bos - b * T
-        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
-                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
+                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           n0, diag_end, seq_len, WINDOW, qk_scale, scale,
                                           BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE)
-        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
-                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
+                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           a, b_int, seq_len, WINDOW, qk_scale, scale,
                                           BLOCK_M, False, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE)
-        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, dq_base, lse_base,
-                                          delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
+                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
+        dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
+                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
                                           b_int, q_hi, seq_len, WINDOW, qk_scale, scale,
                                           BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE)
+                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
     # offsets recomputed here rather than kept live (in registers) across the loops
     kv_off = (bos + offs_n).to(tl.int64)[:, None] * kv_stride + hk * D + offs_d[None, :]
     st_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
@@ -458,15 +485,20 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VIS
 
 
 @triton.jit
-def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                 start, end, seq_len, WINDOW, qk_scale,
+def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, col0, kv_stride, offs_m,
+                 offs_n, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
-        k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
-        v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        if TMA:
+            # keys past the sequence: p is masked to zero, so ds is too
+            k = k_desc.load([row0 + n0, col0])
+            v = v_desc.load([row0 + n0, col0])
+        else:
+            off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
+            k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+            v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -481,10 +513,11 @@ def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs
 
 
 @triton.jit
-def _swa_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW, qk_scale, scale,
-                       NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       PRECISION: tl.constexpr, WIDE: tl.constexpr):
+def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WINDOW,
+                       qk_scale, scale, NUM_BLOCKS, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                       TMA: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -515,12 +548,15 @@ def _swa_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, CU, TABLE, T, H, HKV, WIN
 
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      lo, a, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      a, b_int, seq_len, WINDOW, qk_scale, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, kv_stride, offs_m, offs_n, offs_d, mask_d,
-                      b_int, hi, seq_len, WINDOW, qk_scale, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, WIDE)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, bos, hk * D, kv_stride,
+                      offs_m, offs_n, offs_d, mask_d, lo, a, seq_len, WINDOW, qk_scale, BLOCK_N, True,
+                      HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, bos, hk * D, kv_stride,
+                      offs_m, offs_n, offs_d, mask_d, a, b_int, seq_len, WINDOW, qk_scale, BLOCK_N, False,
+                      HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, bos, hk * D, kv_stride,
+                      offs_m, offs_n, offs_d, mask_d, b_int, hi, seq_len, WINDOW, qk_scale, BLOCK_N, True,
+                      HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA)
     q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
@@ -584,7 +620,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _launch_geometry(q, cu_seqlens, block):
-    B, T = q.shape[0], q.shape[1]
+    T = q.shape[1]
     if cu_seqlens is None:
         n_blocks = triton.cdiv(T, block)
         return n_blocks, n_blocks, None, q.new_empty(1, dtype=torch.int32)
@@ -601,6 +637,25 @@ def _window_args(window, T):
     # a window covering the whole row is plain causal attention: no window mask needed
     has_window = window is not None and window < T
     return has_window, (int(window) if has_window else 0)
+
+
+def _tma_descriptor(use: bool, t: torch.Tensor, block_rows: int, D: int):
+    """A TMA descriptor over ``t`` viewed as [rows, heads * D], loading [block_rows, D] tiles; or ``t``
+    itself (an unused placeholder) where TMA is off or cannot serve this tensor."""
+    if not use:
+        return t
+    t2 = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    return TensorDescriptor(t2, shape=list(t2.shape), strides=list(t2.stride()), block_shape=[block_rows, D])
+
+
+def _tma_usable(want: bool, D: int, block_d: int, *tensors: torch.Tensor) -> bool:
+    """TMA wants Hopper or newer, a power-of-two head dim, and 16-byte aligned bases and row strides."""
+    if not want or TensorDescriptor is None or D != block_d:
+        return False
+    dev = tensors[0].device
+    if not _interpreted(dev) and torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.shape[2] * D * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
@@ -625,18 +680,79 @@ def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_m)
     has_window, w = _window_args(window, T)
     if visits is not None and visits.numel() < grid0 * B * H:
         raise ValueError(f"visits must hold at least {grid0 * B * H} int32 counters")
+    tma = _tma_usable(cfg.tma, D, BLOCK_D, k, v)
     _swa_fwd_kernel[(grid0, B * H)](
-        q, k, v, o, lse, cu, table if table is not None else cu, visits if visits is not None else lse,
+        q, k, v, _tma_descriptor(tma, k, cfg.block_n, D), _tma_descriptor(tma, v, cfg.block_n, D),
+        o, lse, cu, table if table is not None else cu, visits if visits is not None else lse,
         T, H, HKV, w, float(scale) * LOG2E, n_blocks,
-        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=has_window, IS_VARLEN=cu_seqlens is not None, RECORD_VISITS=visits is not None,
-        PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, max(16, triton.next_power_of_2(D))),
+        PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, BLOCK_D), TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
+
+
+def swa_backward_dq(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, window: Optional[int], scale: Optional[float] = None,
+                    cu_seqlens: Optional[torch.Tensor] = None, *, config: Optional[BwdConfig] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dq kernel alone (``config.dq_*`` tiles): returns dq and ``delta = rowsum(o * do)`` (fp32
+    [B,H,T]), which the dk/dv kernel reads. Contiguous inputs of one dtype expected."""
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    cfg = config or default_configs(D, q.device)[1]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    dq = torch.empty_like(q)
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    has_window, w = _window_args(window, T)
+    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.dq_block_m)
+    tma = _tma_usable(cfg.dq_tma, D, BLOCK_D, k, v)
+    _swa_bwd_dq_kernel[(grid0, B * H)](
+        q, k, v, _tma_descriptor(tma, k, cfg.dq_block_n, D), _tma_descriptor(tma, v, cfg.dq_block_n, D),
+        o, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
+        float(scale) * LOG2E, float(scale), n_blocks,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, BLOCK_D),
+        TMA=tma, num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
+    return dq, delta
+
+
+def swa_backward_dkdv(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      lse: torch.Tensor, delta: torch.Tensor, window: Optional[int],
+                      scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None, *,
+                      config: Optional[BwdConfig] = None, dq_acc: Optional[torch.Tensor] = None,
+                      visits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dk/dv kernel alone: returns dk, dv. With ``config.atomic_dq`` it also adds dq (unscaled
+    layout [B,T,H,D], fp32) into ``dq_acc``. Contiguous inputs of one dtype expected."""
+    B, T, H, D = q.shape
+    HKV = k.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    cfg = config or default_configs(D, q.device)[1]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    has_window, w = _window_args(window, T)
+    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
+    if visits is not None and visits.numel() < grid0 * B * HKV:
+        raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
+    tma = _tma_usable(cfg.tma, D, BLOCK_D, q, do)
+    _swa_bwd_dkdv_kernel[(grid0, B * HKV)](
+        q, k, v, do, _tma_descriptor(tma, q, cfg.block_m, D), _tma_descriptor(tma, do, cfg.block_m, D),
+        lse, delta, dk, dv, dq_acc if dq_acc is not None else delta, cu, table if table is not None else cu,
+        visits if visits is not None else delta, T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
+        IS_VARLEN=cu_seqlens is not None, ATOMIC_DQ=cfg.atomic_dq, DQ_TRANSPOSED=cfg.dq_transposed,
+        RECORD_VISITS=visits is not None, PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, BLOCK_D),
+        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv
 
 
 def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -650,51 +766,27 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     visited, summed over the query heads of its group.
     """
     B, T, H, D = q.shape
-    HKV = k.shape[2]
     if scale is None:
         scale = D ** -0.5
     cfg = config or default_configs(D, q.device)[1]
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     do = do.to(q.dtype)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     if T == 0:
-        return torch.zeros_like(q), dk, dv
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    has_window, w = _window_args(window, T)
-    precision = _precision(q.dtype)
-    wide = _wide_offsets(T, H, BLOCK_D)
-    is_varlen = cu_seqlens is not None
-    dq = None
+        return torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
     if cfg.atomic_dq:
+        BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_T = 64
+        delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
         _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
                                                            BLOCK_D=BLOCK_D, num_warps=4)
         dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32)
-    else:
-        # the dq kernel also writes delta, so it runs before the dk/dv kernel
-        dq_acc = q.new_empty(1, dtype=torch.float32)
-        dq = torch.empty_like(q)
-        grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.dq_block_m)
-        _swa_bwd_dq_kernel[(grid0, B * H)](
-            q, k, v, o, do, lse, delta, dq, cu, table if table is not None else cu, T, H, HKV, w,
-            float(scale) * LOG2E, float(scale), n_blocks,
-            D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=has_window,
-            IS_VARLEN=is_varlen, PRECISION=precision, WIDE=wide, num_warps=cfg.dq_num_warps,
-            num_stages=cfg.dq_num_stages)
-    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
-    if visits is not None and visits.numel() < grid0 * B * HKV:
-        raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
-    _swa_bwd_dkdv_kernel[(grid0, B * HKV)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, cu, table if table is not None else cu,
-        visits if visits is not None else delta, T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
-        IS_VARLEN=is_varlen, ATOMIC_DQ=cfg.atomic_dq, DQ_TRANSPOSED=cfg.dq_transposed,
-        RECORD_VISITS=visits is not None,
-        PRECISION=precision, WIDE=wide, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.atomic_dq:
-        dq = dq_acc.to(q.dtype)
+        dk, dv = swa_backward_dkdv(do, q, k, v, lse, delta, window, scale, cu_seqlens, config=cfg,
+                                   dq_acc=dq_acc, visits=visits)
+        return dq_acc.to(q.dtype), dk, dv
+    # the dq kernel also writes delta, so it runs before the dk/dv kernel
+    dq, delta = swa_backward_dq(do, q, k, v, o, lse, window, scale, cu_seqlens, config=cfg)
+    dk, dv = swa_backward_dkdv(do, q, k, v, lse, delta, window, scale, cu_seqlens, config=cfg,
+                               visits=visits)
     return dq, dk, dv
 
 
