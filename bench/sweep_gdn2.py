@@ -43,9 +43,11 @@ SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
         cfg(1, BK=32, BV=64), cfg(1, BK=16, BV=64), cfg(1, BK=64, BV=64), cfg(1, 2, BK=32, BV=64),
         cfg(1, BK=32, BV=32), cfg(2, BK=16, BV=32)]),
+    "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
+        cfg(1, BK=32), cfg(2, BK=16), cfg(1, BK=64), cfg(1, BK=16), cfg(2, BK=32)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
-        cfg(8, 2, BK=64, BV=32), cfg(8, 1, BK=64, BV=32), cfg(8, 2, BK=64, BV=64), cfg(8, 2, BK=128, BV=32),
-        cfg(8, 2, BK=32, BV=32), cfg(4, 2, BK=64, BV=16), cfg(8, 3, BK=64, BV=32), cfg(16, 2, BK=64, BV=32)]),
+        cfg(8, 2, BK=64, BV=32), cfg(4, 2, BK=64, BV=32), cfg(8, 2, BK=64, BV=64), cfg(4, 2, BK=64, BV=64),
+        cfg(8, 2, BK=128, BV=32), cfg(4, 2, BK=32, BV=32), cfg(8, 3, BK=64, BV=32), cfg(4, 3, BK=128, BV=64)]),
     "fwd_scan": (fwd_mod, "gdn2_fwd_scan_kernel", [
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 3, BV=128)]),
     "bwd_scan": (bwd_mod, "gdn2_bwd_scan_kernel", [
@@ -76,7 +78,7 @@ def kernel_ms(step, name, reps=3):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--kernels", default="intra,qkbg")
+    ap.add_argument("--kernels", default="intra,bwd_intra,qkbg,fwd_scan,bwd_scan,wy")
     ap.add_argument("--shape", default="8,4096,16")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
+from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
 from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
@@ -101,14 +101,22 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     gdn2_bwd_wy_kernel[(lay.NC, H)](
         v, w, amat, rbuf, dr, do, dv, dw, daqk, dtm, cu, info, scale, lay.T, lay.NT,
         _size_bucket(lay.NC * H), H=H, V=V, VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
+    # intra-chunk gradients (fp32 scratch), then the value-axis part and the final combination
+    dqi = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    dbki = torch.empty_like(dqi)
+    dki = torch.empty_like(dqi)
+    gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+        q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
+        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     db = torch.empty_like(b)
     dg = torch.empty_like(g)
     gdn2_bwd_qkbg_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-        q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, daqk, dtm, dq, dk, db, dg, cu, info, scale,
+        q, k, b, g, amat, hbuf, dhbuf, do, rbuf, dr, dqi, dbki, dki, dq, dk, db, dg, cu, info, scale,
         lay.T, lay.NT, H=H, K=K, V=V, KP=padded(K), VP=padded(V),
-        IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+        IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
     return dq, dk, dv, dg, db, dw, (dh0 if need_dh0 else None)
 
 

@@ -11,10 +11,11 @@ so the gates stay inside the products without any transposed inverse. Kernels:
 
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
-- ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg, with the pairwise decays of
-  Aqk and T differentiated block by block as the forward built them (16-row sub-chunks, the same
-  anchors and the same fast / exact diagonal paths), and dg as a reverse cumulative sum of dG inside
-  the chunk. For every pair the decay's gradient is +x*dx on the row side and -k*dk on the column
+- ``gdn2_bwd_intra_kernel`` (chunk- and key-block-parallel, one warp): the gradients through the
+  pairwise decays of Aqk and T, block by block as the forward built them (16-row sub-chunks, the same
+  anchors and the same fast / exact diagonal paths), to fp32 scratch;
+- ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg from those and the
+  value-axis contractions, dg as a reverse cumulative sum of dG inside the chunk. For every pair the decay's gradient is +x*dx on the row side and -k*dk on the column
   side, so dG needs only the intra-chunk dq, d(b*k), dk tiles, whatever the factorisation.
 """
 
@@ -23,8 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import load_sub_chunk, scan_config
-from gdn2.ops.gdn2_triton_utils import cat4, chunk_bounds, exp2_nonpos, load_rows, seq_bounds, tuned
+from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config
+from gdn2.ops.gdn2_triton_utils import chunk_bounds, exp2_nonpos, load_rows, seq_bounds, store_rows, tuned
 
 
 _SCAN_CONFIGS = [
@@ -286,28 +287,23 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=msk)
 
 
-# pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 64 / BV 32 / 8 warps 4.85 ms,
-# 4 warps 5.79 ms, 2 warps 11.0 ms; BK 32 / BV 32 / 2 warps 6.72 ms. BK 32 / BV 64 / 4 warps / 1 stage
-# ran in 3.3 ms but gave wrong gradients there (relative error 0.13; right under the interpreter):
-# a miscompile, so it is not offered.
-_QKBG_CONFIGS = [
-    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BK": 32, "BV": 32}, num_warps=2, num_stages=1),
+# pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program)
+_BWD_INTRA_CONFIGS = [
+    triton.Config({"BK": 32}, num_warps=1, num_stages=1),
+    triton.Config({"BK": 16}, num_warps=2, num_stages=1),
+    triton.Config({"BK": 64}, num_warps=1, num_stages=1),
 ]
 
 
-@tuned(_QKBG_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
+@tuned(_BWD_INTRA_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq, dk, db, dg,
-                         cu, chunk_info, scale, T, NT,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head, one key block: dq, dk, db, dg (grid: chunks * key blocks, heads).
-
-    The key blocks of one chunk are neighbours in launch order, so the value-side tiles they all read
-    (dO, R, dR, dAqk, dT) come from L2 after the first.
+def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info, T, NT,
+                          H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One chunk, one head, one key block: the intra-chunk gradients through Aqk and T (grid: chunks *
+    key blocks, heads), fp32 [TT, H, K] each: dqi (unscaled by ``scale``: dAqk carries it), d(b*k)
+    in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
+    the forward built them (16-row sub-chunks, the same anchors, the same fast / exact diagonal paths).
     """
     NK = tl.cdiv(K, BK)
     i_c = tl.program_id(0) // NK
@@ -320,17 +316,19 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     dt = q.dtype.element_ty
     o_k = i_k * BK + tl.arange(0, BK)
 
-    # intra-chunk part in 16-row sub-chunks: gradients of Aqk and T through their pairwise decays,
-    # block by block as the forward built them (sub-chunks spelled out: see gdn2_intra_kernel)
+    # (sub-chunks spelled out: see gdn2_intra_kernel); a sub-chunk's dq and d(b*k) are complete once
+    # its own row of blocks is done, its dk once every later row is
     a0 = tl.zeros([BK], dtype=tl.float32)
     qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
+    store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
     qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
     x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, o_c, L, H, dt, DOT_PREC, BT, BC)
-    dq1 += x_q
-    dbk1 += x_b
+    store_rows(dqi, base, BC + o_c, o_k, L, dq1 + x_q, H, K)
+    store_rows(dbki, base, BC + o_c, o_k, L, dbk1 + x_b, H, K)
     dk0 += x_k
     qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
@@ -340,8 +338,8 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     dk1 += x_k
     x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), o_c, L, H, dt,
                                  DOT_PREC, BT, BC)
-    dq2 += x_q
-    dbk2 += x_b
+    store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2 + x_q, H, K)
+    store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2 + x_b, H, K)
     dk0 += x_k
     qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
@@ -356,13 +354,52 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, daqk, dtm, dq
     dk1 += x_k
     x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), o_c, L, H, dt,
                                  DOT_PREC, BT, BC)
-    dq3 += x_q
-    dbk3 += x_b
-    dk0 += x_k
-    b_dq_i = cat4(dq0, dq1, dq2, dq3, BC, BK)
-    b_dbk = cat4(dbk0, dbk1, dbk2, dbk3, BC, BK)
-    b_dkc = cat4(dk0, dk1, dk2, dk3, BC, BK)
-    b_G = cat4(G0, G1, G2, G3, BC, BK)
+    store_rows(dqi, base, 3 * BC + o_c, o_k, L, dq3 + x_q, H, K)
+    store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3 + x_b, H, K)
+    store_rows(dki, base, o_c, o_k, L, dk0 + x_k, H, K)
+    store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
+    store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
+    store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
 
+
+# pinned first; to be re-measured after the split from the intra-chunk part. Before it (one kernel
+# with both parts, 8 x 4096 x 16, H200, bf16, triton 3.6): BK 64 / BV 32 / 8 warps 4.85 ms, 4 warps
+# 5.79 ms. BK 32 / BV 64 / 4 warps / 1 stage gave wrong gradients there (relative error 0.13; right
+# under the interpreter): a miscompile, so it is not offered.
+_QKBG_CONFIGS = [
+    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2),
+]
+
+
+@tuned(_QKBG_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
+@triton.jit(do_not_specialize=["T", "NT"])
+def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, dqi, dbki, dki, dq, dk, db, dg,
+                         cu, chunk_info, scale, T, NT,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One chunk, one head, one key block: dq, dk, db, dg (grid: chunks * key blocks, heads), from the
+    intra-chunk gradients of ``gdn2_bwd_intra_kernel`` and the value-axis contractions.
+
+    The key blocks of one chunk are neighbours in launch order, so the value-side tiles they all read
+    (dO, R, dR, the state checkpoints) come from L2 after the first.
+    """
+    NK = tl.cdiv(K, BK)
+    i_c = tl.program_id(0) // NK
+    i_k = tl.program_id(0) % NK
+    i_h = tl.program_id(1)
+    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    row0 = t0.to(tl.int64) * H + i_h
+    base = row0 * K
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    b_dq_i = load_rows(dqi, base, o_t, o_k, L, H, K)
+    b_dbk = load_rows(dbki, base, o_t, o_k, L, H, K)
+    b_dkc = load_rows(dki, base, o_t, o_k, L, H, K)
+    # G from one cumulative sum (rows past L load g = 0, so the last row holds G_C)
+    b_G = tl.cumsum(load_rows(g, base, o_t, o_k, L, H, K) * LOG2E, axis=0)
+    e3 = tl.sum(tl.where((o_t == BT - 1)[:, None], b_G, 0.0), axis=0)
     qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_dq_i, b_dbk, b_dkc, b_G, e3,
                 i_c, i_h, row0, base, o_k, L, H, K, V, DOT_PREC, BT, BK, BV)

@@ -139,14 +139,6 @@ def store_rows(ptr, base, rows, o_k, L, x, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def cat4(x0, x1, x2, x3, BC: tl.constexpr, BD: tl.constexpr):
-    """Four [BC, BD] tiles stacked along the rows into one [4*BC, BD] tile."""
-    lo = tl.reshape(tl.permute(tl.join(x0, x1), (2, 0, 1)), (2 * BC, BD))
-    hi = tl.reshape(tl.permute(tl.join(x2, x3), (2, 0, 1)), (2 * BC, BD))
-    return tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (4 * BC, BD))
-
-
-@triton.jit
 def exp2_nonpos(x):
     # every decay factor is exp2 of an exponent <= 0 where it is used; clamping keeps the masked
     # lanes (whose exponent may be large and positive) finite instead of inf.

@@ -102,9 +102,10 @@ def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, Bwd
     if head_dim <= 128:
         # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
         # the register file; dq then comes from its own kernel. Larger query tiles spill and run
-        # at half the speed; the atomic-dq variant ran 15% slower.
-        return (FwdConfig(128, 64, 8, 3),
-                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3))
+        # at half the speed; the atomic-dq variant ran 15% slower. TMA loads (per-kernel sweep,
+        # bench/NOTES.md): forward 128 x 128 tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel even.
+        return (FwdConfig(128, 128, 8, 3, tma=True),
+                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3, dq_tma=True))
     return (FwdConfig(64, 64, 8, 2),
             BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1))
 
