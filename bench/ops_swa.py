@@ -2,9 +2,13 @@
 
 One run does, in order:
 1. accuracy of our kernel in bf16 against a float32 explicit-mask oracle (T not a multiple of the
-   tile, W > T, W = 1, grouped KV heads, full causal, cu_seqlens): relative error of o, dq, dk, dv;
-2. a small sweep of tile shapes for our forward and backward at each benchmark shape;
-3. forward and forward + backward times (``triton.testing.do_bench`` medians) at
+   tile, W > T, W = 1, grouped KV heads, full causal, cu_seqlens): relative error of o, dq, dk, dv,
+   for the default tiles, the all-TMA tiles and (with --sweep) every swept tile shape;
+2. with --sweep: each kernel alone (forward, dq, dk/dv) timed over candidate tile shapes at both
+   benchmark shapes, printed as one table per kernel; the best of each kernel over both shapes makes
+   the "ours_best" configuration;
+3. a torch.profiler split of one forward + backward of the default configuration per kernel;
+4. forward and forward + backward times (``triton.testing.do_bench`` medians) at
    B 8 x T 4096 and B 2 x T 16384, 18 heads x 128, window 2048, bf16, for: ours (default tiles and
    the sweep's best), SDPA full causal, compiled flex_attention with a sliding-window block mask,
    and ``torch.nn.attention.varlen.varlen_attn`` with window (W-1, 0) where it exists.
@@ -12,21 +16,21 @@ One run does, in order:
 Prints a table (time, ratio to SDPA full causal, TFLOP/s of each backend's own mask) and writes
 JSON to $OUT/ops_swa.json (./bench_out when OUT is unset).
 
-    PYTHONPATH=. python bench/ops_swa.py            # everything
-    PYTHONPATH=. python bench/ops_swa.py --no-sweep # default tiles only
+    PYTHONPATH=. python bench/ops_swa.py            # default tiles, profiler split, baselines
+    PYTHONPATH=. python bench/ops_swa.py --sweep    # and the per-kernel tile sweep
+    PYTHONPATH=. python bench/ops_swa.py --smoke --sweep  # the script itself, on CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # the interpreter flag must be set before Triton kernels are defined
@@ -40,19 +44,25 @@ import torch.nn.functional as F  # noqa: E402
 
 from gdn2.ops.reference import sliding_window_attention_reference  # noqa: E402
 from gdn2.ops.swa import (BwdConfig, FwdConfig, default_configs, sliding_window_attention_triton,  # noqa: E402
-                          swa_backward, swa_forward)
+                          swa_backward_dkdv, swa_backward_dq, swa_forward)
 
 SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128, W=2048)]
 
-# the run-1 winners are the defaults now; neighbours around them, and one atomic-dq variant
-FWD_SWEEP = [
-    FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 4), FwdConfig(256, 32, 8, 3),
+# Candidates per kernel (the others stay at their defaults while one is swept). Forward:
+# (block_m, block_n, warps, stages, tma).
+FWD_SWEEP = [FwdConfig(*c) for c in [
+    (128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
+    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
+]]
+# dq kernel: (dq_block_m, dq_block_n, dq_warps, dq_stages, dq_tma)
+DQ_SWEEP = [
+    (128, 64, 8, 3, False), (128, 32, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 2, True),
+    (128, 32, 8, 3, True), (128, 32, 4, 4, True), (128, 128, 8, 2, True),
 ]
-BWD_SWEEP = [
-    BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3), BwdConfig(32, 128, 8, 2, False, 128, 64, 8, 3),
-    BwdConfig(32, 128, 8, 4, False, 128, 64, 8, 3), BwdConfig(32, 128, 8, 3, False, 128, 32, 8, 3),
-    BwdConfig(32, 128, 8, 3, False, 64, 64, 4, 3), BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 2),
-    BwdConfig(32, 128, 8, 2, True, dq_transposed=True),
+# dk/dv kernel: (block_m, block_n, warps, stages, tma)
+DKDV_SWEEP = [
+    (32, 128, 8, 3, False), (32, 128, 8, 2, False), (64, 128, 8, 2, False), (32, 128, 8, 3, True),
+    (32, 128, 8, 2, True), (32, 128, 8, 4, True), (64, 128, 8, 2, True),
 ]
 # B, T, H, HKV, window, cu_seqlens
 ACCURACY_CASES = [
@@ -66,23 +76,43 @@ ACCURACY_CASES = [
 SWEEP_ACCURACY_CASE = (1, 4080, 4, 2, 2048, None)
 ACC_D = 128
 DEVICE = "cuda"
+DTYPE = torch.bfloat16
 
 
 def _smoke_setup():
     """--smoke: the same code path on CPU under the Triton interpreter with tiny shapes and tiles
     (fp32 inputs: the interpreter's bf16 products are wrong), to check the script, not the speed."""
-    global SHAPES, FWD_SWEEP, BWD_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE, SWEEP_ACCURACY_CASE
+    global SHAPES, FWD_SWEEP, DQ_SWEEP, DKDV_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE, SWEEP_ACCURACY_CASE
     os.environ["TRITON_INTERPRET"] = "1"
     DEVICE, DTYPE, ACC_D = "cpu", torch.float32, 16
-    SHAPES = [dict(B=1, T=70, H=2, D=16, W=20)]
-    FWD_SWEEP = [FwdConfig(16, 16, 4, 1)]
-    BWD_SWEEP = [BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1)]
+    SHAPES = [dict(B=1, T=70, H=2, D=16, W=20), dict(B=1, T=90, H=2, D=16, W=20)]
+    FWD_SWEEP = [FwdConfig(16, 16, 4, 1), FwdConfig(16, 16, 4, 1, True)]
+    DQ_SWEEP = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
+    DKDV_SWEEP = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
     ACCURACY_CASES = [(1, 45, 2, 1, 8, None), (1, 40, 2, 2, 1, None), (1, 30, 2, 1, None, None),
                       (1, 50, 2, 1, 6, [0, 1, 20, 50]), (1, 37, 2, 2, 100, None), (1, 60, 2, 1, 9, None)]
     SWEEP_ACCURACY_CASE = (1, 60, 2, 1, 9, None)
 
 
-DTYPE = torch.bfloat16
+def _defaults():
+    f, b = default_configs(ACC_D if DEVICE == "cpu" else 128, torch.device(DEVICE))
+    if DEVICE == "cpu":  # the interpreter's defaults are tiny already; sweep around 16 x 16 tiles
+        f, b = FwdConfig(16, 16, 4, 1), BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1)
+    return f, b
+
+
+def dq_config(base: BwdConfig, c) -> BwdConfig:
+    bm, bn, w, st, tma = c
+    return replace(base, dq_block_m=bm, dq_block_n=bn, dq_num_warps=w, dq_num_stages=st, dq_tma=tma)
+
+
+def dkdv_config(base: BwdConfig, c) -> BwdConfig:
+    bm, bn, w, st, tma = c
+    return replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st, tma=tma)
+
+
+def tma_everywhere(f: FwdConfig, b: BwdConfig):
+    return replace(f, tma=True), replace(b, tma=True, dq_tma=True)
 
 
 def window_pairs(T: int, W) -> int:
@@ -181,10 +211,86 @@ def _bench(fn, rep):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def kernel_split(fn, iters=5) -> dict:
+    """ms per call of each GPU kernel that ``fn`` launches (torch.profiler, after one warm call)."""
+    if DEVICE != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    split = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            split[evt.key[:60]] = us / iters / 1e3
+    return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+def _label(c) -> str:
+    if isinstance(c, FwdConfig):
+        c = (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma)
+    return "{}x{} w{} s{}{}".format(*c[:4], " tma" if c[4] else "")
+
+
+def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd):
+    """Times each kernel alone over its candidates at every benchmark shape; returns the best
+    forward config and the backward config made of the best dq and dk/dv candidates (the lowest
+    sum over shapes of time / default's time)."""
+    times = dict(fwd={}, dq={}, dkdv={})  # kernel -> candidate -> [ms per shape]
+    for shp in SHAPES:
+        B, T, H, D, W = shp["B"], shp["T"], shp["H"], shp["D"], shp["W"]
+        q, k, v, do = make_inputs(B, T, H, H, D, seed=7)
+        for c in fwd_cands:
+            times["fwd"].setdefault(c, []).append(bench(lambda: swa_forward(q, k, v, W, config=c), rep=100))
+        o, lse = swa_forward(q, k, v, W, config=default_fwd)
+        _, delta = swa_backward_dq(do, q, k, v, o, lse, W, config=default_bwd)
+        for c in dq_cands:
+            cfg = dq_config(default_bwd, c)
+            times["dq"].setdefault(c, []).append(
+                bench(lambda: swa_backward_dq(do, q, k, v, o, lse, W, config=cfg), rep=100))
+        for c in dkdv_cands:
+            cfg = dkdv_config(default_bwd, c)
+            times["dkdv"].setdefault(c, []).append(
+                bench(lambda: swa_backward_dkdv(do, q, k, v, lse, delta, W, config=cfg), rep=100))
+        empty_cache()
+    tags = [f"B{s['B']}_T{s['T']}" for s in SHAPES]
+    best = {}
+    for kern, default in (("fwd", default_fwd), ("dq", None), ("dkdv", None)):
+        rows = times[kern]
+        if not rows:
+            continue
+        ref = rows[next(iter(rows))]  # the first candidate is the current default
+        score = {c: sum(t / r for t, r in zip(ts, ref)) / len(ts) for c, ts in rows.items()}
+        best[kern] = min(score, key=score.get)
+        print(f"\nsweep: {kern} kernel alone (block_m x block_n, warps, stages), ms; rel = time / first "
+              "row's, mean over shapes")
+        print(f"  {'config':<22} " + " ".join(f"{t:>12}" for t in tags) + f" {'rel':>6}")
+        for c, ts in sorted(rows.items(), key=lambda kv: score[kv[0]]):
+            print(f"  {_label(c):<22} " + " ".join(f"{t:12.3f}" for t in ts) + f" {score[c]:6.3f}"
+                  + ("  <- best" if c == best[kern] else ""))
+        res["sweep"][kern] = [dict(config=_label(c), ms=dict(zip(tags, ts)), rel=score[c]) for c, ts in rows.items()]
+    sys.stdout.flush()
+    best_fwd = best.get("fwd", default_fwd)
+    best_bwd = default_bwd
+    if "dq" in best:
+        best_bwd = dq_config(best_bwd, best["dq"])
+    if "dkdv" in best:
+        best_bwd = dkdv_config(best_bwd, best["dkdv"])
+    res["sweep"]["best_fwd"], res["sweep"]["best_bwd"] = asdict(best_fwd), asdict(best_bwd)
+    return best_fwd, best_bwd
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--no-sweep", action="store_true", help="time default tiles only")
+    ap.add_argument("--sweep", action="store_true", help="time each kernel over candidate tile shapes")
     ap.add_argument("--no-baselines", action="store_true", help="skip SDPA / flex / varlen_attn")
+    ap.add_argument("--sdpa-only", action="store_true", help="of the baselines, time SDPA alone (no compiles)")
     ap.add_argument("--workers", type=int, default=8, help="processes that pre-compile kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     args = ap.parse_args()
@@ -198,25 +304,36 @@ def main():
     import triton
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     res = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-               accuracy={}, sweep={}, rows=[])
+               accuracy={}, sweep={}, split={}, rows=[])
 
     def save():
         res["elapsed_s"] = round(time.time() - t_start, 1)
         (out_dir / "ops_swa.json").write_text(json.dumps(res, indent=1))
 
     print(f"{res['gpu']} torch {res['torch']} triton {res['triton']}", flush=True)
-    default_fwd, default_bwd = default_configs(128, torch.device(DEVICE))
-    fwd_sweep = [] if args.no_sweep else [c for c in FWD_SWEEP if c != default_fwd]
-    bwd_sweep = [] if args.no_sweep else [c for c in BWD_SWEEP if c != default_bwd]
+    default_fwd, default_bwd = _defaults()
+    tma_fwd, tma_bwd = tma_everywhere(default_fwd, default_bwd)
+    # the current default comes first in each candidate list (the sweep's reference row)
+    cur_dq = (default_bwd.dq_block_m, default_bwd.dq_block_n, default_bwd.dq_num_warps,
+              default_bwd.dq_num_stages, default_bwd.dq_tma)
+    cur_dkdv = (default_bwd.block_m, default_bwd.block_n, default_bwd.num_warps, default_bwd.num_stages,
+                default_bwd.tma)
+    fwd_cands = [default_fwd] + [c for c in FWD_SWEEP if c != default_fwd] if args.sweep else []
+    dq_cands = [cur_dq] + [c for c in DQ_SWEEP if c != cur_dq] if args.sweep else []
+    dkdv_cands = [cur_dkdv] + [c for c in DKDV_SWEEP if c != cur_dkdv] if args.sweep else []
+    # (fwd, bwd) pairs to compile and check: one kernel swept, the others at the default
+    sweep_pairs = [(c, default_bwd) for c in fwd_cands[1:]]
+    sweep_pairs += [(default_fwd, dq_config(default_bwd, c)) for c in dq_cands[1:]]
+    sweep_pairs += [(default_fwd, dkdv_config(default_bwd, c)) for c in dkdv_cands[1:]]
 
-    # ---- pre-compile in parallel: defaults on every accuracy case, sweep tiles on the bench shape
-    # sweep tiles are checked at T = 4080 (not a multiple of 32 or more, yet the same kernel
+    # ---- pre-compile in parallel: defaults and all-TMA tiles on every accuracy case, sweep tiles on
+    # the bench shape (checked at T = 4080: not a multiple of 32 or more, yet the same kernel
     # specialisation as the benchmark shapes, so nothing extra compiles)
     bench_job = (1, SHAPES[0]["T"], SHAPES[0]["H"], SHAPES[0]["H"], SHAPES[0]["W"], None)
-    sweep_acc_job = SWEEP_ACCURACY_CASE
     jobs = [(None, None, [c]) for c in ACCURACY_CASES] + [(None, None, [bench_job])]
-    jobs += [(f, default_bwd, [bench_job]) for f in fwd_sweep]
-    jobs += [(default_fwd, b, [bench_job]) for b in bwd_sweep]
+    if (tma_fwd, tma_bwd) != (default_fwd, default_bwd):
+        jobs += [(tma_fwd, tma_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
+    jobs += [(f, b, [bench_job]) for f, b in sweep_pairs]
     failed = {}
     pool = None
     if args.workers > 0:
@@ -253,6 +370,8 @@ def main():
             torch.autograd.grad(o, leaves, doh)
         baselines += [(tag, "sdpa_full_causal", "fwd", sdpa_fwd, attention_flops(B, T, H, D, None, False)),
                       (tag, "sdpa_full_causal", "fwd+bwd", sdpa_fb, attention_flops(B, T, H, D, None, True))]
+        if args.sdpa_only:
+            continue
         try:
             def swa_mask(b, h, qi, ki, W=W):
                 return (qi >= ki) & (qi - ki < W)
@@ -308,25 +427,44 @@ def main():
     res["compile_failures"] = failed
     print(f"kernels compiled, {time.time() - t_start:.0f} s since start", flush=True)
 
-    # ---- accuracy (default tiles on every case; every sweep tile shape on two cases)
+    # ---- accuracy: default and all-TMA tiles on every case; every swept tile shape on one case
     worst = 0.0
-    for case in ACCURACY_CASES:
-        errs = accuracy_case(case)
-        res["accuracy"][f"default {case}"] = errs
-        worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
-        print("accuracy", case, {n: f"{e:.2e}" if isinstance(e, float) else e for n, e in errs.items()}, flush=True)
-    ok_fwd = [default_fwd] + [c for c in fwd_sweep if str((c, default_bwd)) not in failed]
-    ok_bwd = [default_bwd] + [c for c in bwd_sweep if str((default_fwd, c)) not in failed]
-    for fc, bc in [(c, default_bwd) for c in ok_fwd[1:]] + [(default_fwd, c) for c in ok_bwd[1:]]:
-        errs = accuracy_case(sweep_acc_job, fc, bc, seed=1)
-        res["accuracy"][f"{fc} {bc} {sweep_acc_job}"] = errs
-        worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
+    variants = [("default", None, None)]
+    if (tma_fwd, tma_bwd) != (default_fwd, default_bwd):
+        variants.append(("tma", tma_fwd, tma_bwd))
+    for vname, fc, bc in variants:
+        for case in ACCURACY_CASES:
+            errs = accuracy_case(case, fc, bc)
+            res["accuracy"][f"{vname} {case}"] = errs
+            worst = max(worst, *(errs[n] for n in ("o", "dq", "dk", "dv")))
+            print("accuracy", vname, case,
+                  {n: f"{e:.2e}" if isinstance(e, float) else e for n, e in errs.items()}, flush=True)
+    print(f"{time.time() - t_start:.0f} s since start", flush=True)
+    ok_pairs = [(f, b) for f, b in sweep_pairs if str((f, b)) not in failed]
+    bad_pairs = set()
+    for fc, bc in ok_pairs:
+        errs = accuracy_case(SWEEP_ACCURACY_CASE, fc, bc, seed=1)
+        res["accuracy"][f"{fc} {bc} {SWEEP_ACCURACY_CASE}"] = errs
+        e = max(errs[n] for n in ("o", "dq", "dk", "dv"))
+        if not (e < 1e-2 and errs["finite"]):
+            bad_pairs.add(str((fc, bc)))
+            print("accuracy FAIL", fc, bc, errs, flush=True)
+        worst = max(worst, e)
     res["accuracy_worst_rel_err"] = worst
     res["accuracy_pass"] = bool(worst < 1e-2) and all(e["finite"] for e in res["accuracy"].values())
     print(f"{time.time() - t_start:.0f} s since start", flush=True)
     print(f"accuracy: worst rel err {worst:.2e} over {len(res['accuracy'])} checks -> "
           f"{'PASS' if res['accuracy_pass'] else 'FAIL'}", flush=True)
     save()
+
+    # candidates that failed to compile or to match the oracle leave the sweep
+    def usable(f, b):
+        key = str((f, b))
+        return key not in failed and key not in bad_pairs
+    fwd_cands = [c for i, c in enumerate(fwd_cands) if i == 0 or usable(c, default_bwd)]
+    dq_cands = [c for i, c in enumerate(dq_cands) if i == 0 or usable(default_fwd, dq_config(default_bwd, c))]
+    dkdv_cands = [c for i, c in enumerate(dkdv_cands)
+                  if i == 0 or usable(default_fwd, dkdv_config(default_bwd, c))]
 
     # ---- baselines
     for tag, backend, mode, fn, flops in baselines:
@@ -337,32 +475,22 @@ def main():
     empty_cache()
     save()
 
-    # ---- ours: sweep, then the end-to-end autograd path
+    # ---- ours: per-kernel sweep, profiler split, then the end-to-end autograd path
+    best_fwd, best_bwd = default_fwd, default_bwd
+    if args.sweep:
+        best_fwd, best_bwd = sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd)
+        print(f"best: {best_fwd} {best_bwd}", flush=True)
+        save()
+    variants = [("ours_default", default_fwd, default_bwd)]
+    if (best_fwd, best_bwd) != (default_fwd, default_bwd):
+        variants.append(("ours_best", best_fwd, best_bwd))
+    if (tma_fwd, tma_bwd) not in [(f, b) for _, f, b in variants]:
+        variants.append(("ours_all_tma", tma_fwd, tma_bwd))
     for shp in SHAPES:
         B, T, H, D, W = shp["B"], shp["T"], shp["H"], shp["D"], shp["W"]
         tag = f"B{B}_T{T}"
         q, k, v, do = make_inputs(B, T, H, H, D, seed=7)
-        sweep = res["sweep"].setdefault(tag, dict(fwd={}, bwd={}))
-        fwd_t = {}
-        for cfg in ok_fwd:
-            fwd_t[cfg] = bench(lambda: swa_forward(q, k, v, W, None, None, config=cfg))
-            sweep["fwd"][str(cfg)] = fwd_t[cfg]
-        o, lse = swa_forward(q, k, v, W, None, None, config=default_fwd)
-        bwd_t = {}
-        for cfg in ok_bwd:
-            bwd_t[cfg] = bench(lambda: swa_backward(do, q, k, v, o, lse, W, None, None, config=cfg))
-            sweep["bwd"][str(cfg)] = bwd_t[cfg]
-        best_f = min(fwd_t, key=fwd_t.get)
-        best_b = min(bwd_t, key=bwd_t.get)
-        sweep["best_fwd"], sweep["best_bwd"] = asdict(best_f), asdict(best_b)
-        for c, t in sorted(fwd_t.items(), key=lambda x: x[1]):
-            print(f"{tag} sweep fwd {t:.3f} ms {c}", flush=True)
-        for c, t in sorted(bwd_t.items(), key=lambda x: x[1]):
-            print(f"{tag} sweep bwd {t:.3f} ms {c}", flush=True)
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        variants = [("ours_default", default_fwd, default_bwd)]
-        if (best_f, best_b) != (default_fwd, default_bwd):
-            variants.append(("ours_best", best_f, best_b))
         for name, fc, bc in variants:
             def fwd():
                 with torch.no_grad():
@@ -371,12 +499,16 @@ def main():
             def fb():
                 out = sliding_window_attention_triton(*leaves, W, fwd_config=fc, bwd_config=bc)
                 torch.autograd.grad(out, leaves, do)
+            split = kernel_split(fb)
+            res["split"][f"{tag} {name}"] = split
+            if split:
+                print(f"{tag} {name} fwd+bwd per kernel (torch.profiler, ms): "
+                      + ", ".join(f"{k_}: {t:.3f}" for k_, t in split.items()), flush=True)
             for mode, fn in (("fwd", fwd), ("fwd+bwd", fb)):
                 t = bench(fn)
                 res["rows"].append(dict(shape=tag, backend=name, mode=mode, ms=t,
                                         flops=attention_flops(B, T, H, D, W, mode != "fwd"),
                                         fwd_config=asdict(fc), bwd_config=asdict(bc)))
-        del q, k, v, do, o, lse, leaves
         empty_cache()
         save()
 

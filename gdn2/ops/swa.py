@@ -17,6 +17,12 @@ kernel that walks key blocks per query block and runs first, writing delta on th
 products per block pair in all, deterministic, the default: its tiles fit the register file), or
 from the dk/dv pass itself through fp32 atomic adds (five products, but the atomics and register
 spills made it slower on an H200).
+
+On Hopper the tiles a loop streams (k and v in the forward and dq kernels, q and do in the dk/dv
+kernel) can come through TMA descriptors over the [B*T, H*D] view (``FwdConfig.tma``,
+``BwdConfig.dq_tma`` / ``tma``). A TMA tile that runs past its sequence holds the next sequence's
+rows (or zeros at the tensor's end) instead of masked-load zeros; only the masked edge loops reach
+such rows, and their score masks zero every product with them.
 """
 
 from __future__ import annotations

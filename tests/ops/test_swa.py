@@ -4,6 +4,7 @@ On CPU the kernels run under TRITON_INTERPRET=1 with fp32 / fp16 inputs and smal
 same cases also run in bf16 at D = 128 with the default (Hopper-sized) tiles.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 
 from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
-from gdn2.ops.swa import (BwdConfig, FwdConfig, count_key_blocks, count_query_blocks, key_block_range,
-                          query_block_range, sliding_window_attention_triton, swa_backward, swa_forward)
+from gdn2.ops.swa import (BwdConfig, FwdConfig, _tma_usable, count_key_blocks, count_query_blocks,
+                          key_block_range, query_block_range, sliding_window_attention_triton, swa_backward,
+                          swa_forward)
 from gdn2.ops.testing import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -20,11 +22,15 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 # Small tiles keep the interpreter fast and make T = 37 / 100 span several partial blocks. The
 # layouts exercise BLOCK_M > BLOCK_N, BLOCK_M < BLOCK_N and equal tiles, and the three ways of
-# computing dq (separate kernel, atomic adds of dq or of dq^T).
+# computing dq (separate kernel, atomic adds of dq or of dq^T), plus TMA-descriptor loads.
 SMALL = {
     "m32n16_atomic": (FwdConfig(32, 16, 4, 1), BwdConfig(16, 32, 4, 1, True, 32, 16, 4, 1)),
     "m16n32_split": (FwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1, False, 16, 32, 4, 1)),
     "m32n32_atomic_t": (FwdConfig(32, 32, 4, 1), BwdConfig(16, 32, 4, 1, True, dq_transposed=True)),
+    # every streamed tile through TMA descriptors: rows past a sequence's end are the next
+    # sequence's or zeros, never masked at load time, so the score masks alone must drop them
+    "m32n16_tma": (FwdConfig(32, 16, 4, 1, tma=True),
+                   BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1, tma=True, dq_tma=True)),
 }
 
 
@@ -144,6 +150,30 @@ def test_lse_matches_direct_logsumexp(window, cu):
     assert (lse.double() - expect).abs().max() < 1e-5
     assert rel_err(o, sliding_window_attention_reference(q.double(), k.double(), v.double(), window,
                                                          scale, cu_t)) < 1e-5
+
+
+def test_tma_only_where_descriptors_fit():
+    q = torch.zeros(1, 8, 2, 16, device=DEVICE)
+    assert _tma_usable(True, 16, 16, q)
+    assert not _tma_usable(False, 16, 16, q)
+    assert not _tma_usable(True, 24, 32, q)  # padded head dim: pointer loads
+    odd = torch.zeros(1 * 8 * 2 * 16 + 1, device=DEVICE)[1:].view(1, 8, 2, 16)
+    assert not _tma_usable(True, 16, 16, odd)  # base not 16-byte aligned
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # exp2 of masked-out scores
+@pytest.mark.parametrize("window,cu", [(5, [0, 20, 21, 70]), (None, [0, 45, 70])])
+def test_tma_loads_match_pointer_loads(window, cu):
+    # packed sequences: TMA tiles cross into the neighbour sequence, pointer tiles load zeros there
+    q, k, v, do = _inputs(1, 70, 2, 1, 16, torch.float32, seed=4)
+    k[:, 20:] *= 30.0  # large neighbour keys would show through any missed mask
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    plain = _ours(q, k, v, do, window, cu_t, SMALL["m16n32_split"])
+    f, b = SMALL["m16n32_split"]
+    tma = _ours(q, k, v, do, window, cu_t, (dataclasses.replace(f, tma=True),
+                                             dataclasses.replace(b, tma=True, dq_tma=True)))
+    for x, y in zip(tma, plain):
+        assert rel_err(x, y) < 1e-6
 
 
 def test_varlen_equals_separate_sequences():
