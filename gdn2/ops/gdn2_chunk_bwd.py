@@ -287,7 +287,9 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=msk)
 
 
-# pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program)
+# pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program); measured at
+# 8 x 4096 x 16 (H200, bf16): BK 32 / 1 warp 1.52 ms, BK 16 / 1 warp 1.53 ms, BK 32 / 2 warps 1.55 ms,
+# BK 16 / 2 warps 2.34 ms, BK 64 / 1 warp 2.80 ms
 _BWD_INTRA_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=1),
     triton.Config({"BK": 16}, num_warps=2, num_stages=1),
@@ -362,14 +364,15 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
 
 
-# pinned first; to be re-measured after the split from the intra-chunk part. Before it (one kernel
-# with both parts, 8 x 4096 x 16, H200, bf16, triton 3.6): BK 64 / BV 32 / 8 warps 4.85 ms, 4 warps
-# 5.79 ms. BK 32 / BV 64 / 4 warps / 1 stage gave wrong gradients there (relative error 0.13; right
-# under the interpreter): a miscompile, so it is not offered.
+# pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 64 / BV 64 / 8 warps 1.87 ms,
+# BK 32 / BV 32 / 4 warps 1.88 ms, BK 64 / BV 32 / 8 warps 2.08 ms (3 stages 1.92 ms), 4 warps 2.78 ms,
+# BK 128 / BV 32 / 8 warps 3.03 ms. Before the intra-chunk part had its own kernel, BK 32 / BV 64 /
+# 4 warps / 1 stage gave wrong gradients there (relative error 0.13; right under the interpreter): a
+# miscompile, so it is not offered.
 _QKBG_CONFIGS = [
-    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BK": 64, "BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 64, "BV": 32}, num_warps=8, num_stages=3),
 ]
 
 
