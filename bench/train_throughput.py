@@ -219,6 +219,8 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
     report["checkpoint"] = ckpts[-1].name if ckpts else None
     report["checkpoint_format"] = ("sharded" if ckpts and (ckpts[-1] / "state").is_dir() else "single file")
+    if cfg.trainer_no_resume:
+        return report
 
     t0 = time.time()
     second = subprocess.run(torchrun(cfg.gpus, ROOT / "pretrain" / "main.py",
@@ -255,6 +257,8 @@ def main() -> None:
     p.add_argument("--trainer-accum", type=int, default=4)
     p.add_argument("--trainer-micro-batch", type=int, default=None)
     p.add_argument("--trainer-ac", action="store_true", help="activation checkpointing in the trainer phase")
+    p.add_argument("--trainer-no-resume", action="store_true",
+                   help="trainer phase: train only (no resume, no consolidation), e.g. as a loss reference")
     p.add_argument("--start-micro-batch", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=32)
     p.add_argument("--trial-steps", type=int, default=3)
