@@ -7,7 +7,8 @@ One run does, in order (each stage writes what it has to the JSON before the nex
    against fp32; the captured CUDA graph of the fused step against its eager run; the compiled fused
    step (batch 1, the graphs the timings reuse) against the eager fused step and the full forward;
 2. the device-to-device copy bandwidth, for the memory floor of a decode step (every weight read once,
-   plus the whole KV ring buffer, which a static-shape step attends over with a mask);
+   plus the whole KV ring buffer, which a static-shape step attends over with a mask); the attention
+   layers' decode op alone (the Triton ring-buffer kernel against the torch path) at batch 1 and 64;
 3. prefill tokens/s: batch 1 x 1024 tokens and batch 64 x 512 tokens (packed, one pass);
 4. decode ms/token and tokens/s at batch 1 and 64: the captured CUDA graph of the torch.compile'd
    step, the plain CUDA graph and the eager step, each unfused and fused (greedy argmax between
@@ -214,6 +215,48 @@ def copy_bandwidth() -> float:
     return 2 * 512 * 2**20 * 4 / statistics.median(times)
 
 
+@torch.no_grad()
+def decode_attention_kernel(model: GPT, batches: tuple[int, ...]) -> dict:
+    """The attention layers' decode op alone, on the model's shapes with a full ring: the Triton kernel
+    (rotation, slot write and attention in one pass) against the torch path it replaced (RoPE, two
+    index_copy_ and SDPA), time per call and the largest difference of their outputs."""
+    from gdn2.ops.decode_attention import ring_decode_attention_reference, ring_decode_attention_triton
+
+    c = model.config
+    dtype = next(model.parameters()).dtype
+    cap = min(c.sliding_window or c.block_size, c.block_size)
+    H, Hkv, D = c.n_head, c.n_query_groups, c.head_size
+    result = {}
+    for B in batches:
+        g = torch.Generator(device=DEVICE).manual_seed(B)
+        qkv = torch.randn(B, (H + 2 * Hkv) * D, device=DEVICE, dtype=dtype, generator=g)
+        kc = torch.randn(B, cap, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
+        vc = torch.randn(B, cap, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
+        column = torch.tensor(5 * cap + 17, device=DEVICE)
+        slot = (column % cap).reshape(1)
+        # slot s holds the newest column that maps to it; rows start at different columns
+        positions = column - (slot - torch.arange(cap, device=DEVICE)) % cap
+        offsets = torch.arange(B, device=DEVICE) * 7 + 4 * cap
+        visible = positions[None, :] >= offsets[:, None]
+        ang = (column - offsets).float()[:, None] / 10000 ** (torch.arange(0, D, 2, device=DEVICE) / D)[None, :]
+        ang = torch.cat([ang, ang], dim=-1)
+        args = (qkv, ang.cos(), ang.sin())
+        row = {}
+        outs = {}
+        for name, fn in (("triton", ring_decode_attention_triton), ("torch", ring_decode_attention_reference)):
+            state = (kc.clone(), vc.clone(), positions.clone())
+            call = lambda: fn(*args, *state, slot, column, visible, H)  # noqa: E731
+            outs[name] = call()
+            for _ in range(3):
+                call()
+            row[f"{name}_us"] = round(statistics.median(timed(lambda: [call() for _ in range(20)]) / 20
+                                                        for _ in range(5)) * 1e6, 2)
+        row["max_abs_diff"] = float((outs["triton"].float() - outs["torch"].float()).abs().max())
+        row["ring_bytes_per_s_triton"] = round(2 * B * cap * Hkv * D * kc.element_size() / (row["triton_us"] * 1e-6))
+        result[f"b{B}"] = row
+    return result
+
+
 def prompts(batch: int, length: int, vocab: int, ragged: bool) -> list[torch.Tensor]:
     """``batch`` prompts of ``length`` tokens, or of lengths spread over [length/2, length]."""
     lengths = [length - (i * length // (2 * batch) if ragged else 0) for i in range(batch)]
@@ -399,6 +442,8 @@ def main() -> int:
     stage("correctness", 25, check_correctness, model)
     stage("correctness_compiled_b1", 20, check_compiled, model)
     bandwidth = (stage("copy_bandwidth_bytes_per_s", 3, copy_bandwidth) if DEVICE.type == "cuda" else None) or 4.3e12
+    if DEVICE.type == "cuda":  # (the kernel runs on the CPU only under TRITON_INTERPRET=1)
+        stage("decode_attention_kernel", 5, decode_attention_kernel, model, (1, big_batch))
 
     big = InferenceCache(model, big_batch, max_length=model.config.block_size)
     for batch, length in prefill_sizes:
@@ -461,7 +506,7 @@ def main() -> int:
                 continue
             print(f"  {name:<24}{r['kernels_per_step']:>8} kernels {r['kernel_us_per_step']:>10} us of kernel time")
         best = kernels.get("graph+compile_fused", {})
-        for t in best.get("top", [])[:8]:
+        for t in best.get("top", [])[:12]:
             print(f"    {t['us_per_step']:>8} us  x{t['per_step']:<6} {t['kernel'][:70]}")
     e2e = stages.get("generate_end_to_end_b1")
     if e2e:

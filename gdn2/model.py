@@ -72,10 +72,12 @@ class Block(nn.Module):
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
-    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
-                    weights: Optional["BlockDecodeWeights"] = None) -> torch.Tensor:
+    def decode_step(self, x: Any, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
+                    weights: Optional["BlockDecodeWeights"] = None) -> Any:
         """x: [B,1,d] -> [B,1,d]; see :meth:`GPT.decode_step`. With ``weights`` (this block's part of a
-        :class:`DecodeWeights`) the fused step runs: the same values, fewer kernels."""
+        :class:`DecodeWeights`) the fused step runs: the same values, fewer kernels; its input and
+        output are then pairs ``(x, delta)`` of [B,1,d] tensors standing for ``x + delta`` (see
+        :meth:`_fused_decode_step`)."""
         if weights is not None:
             return self._fused_decode_step(x, ctx, cache, weights)
         h = self.norm_1(x)
@@ -83,20 +85,25 @@ class Block(nn.Module):
         x = x + h
         return x + self.mlp(self.norm_2(x))
 
-    def _fused_decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
-                           weights: "BlockDecodeWeights") -> torch.Tensor:
-        B, _, d = x.shape
+    def _fused_decode_step(self, x: tuple[torch.Tensor, torch.Tensor], ctx: DecodeContext,
+                           cache: Union[GDN2Cache, AttentionCache],
+                           weights: "BlockDecodeWeights") -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta) -> (x', delta'): the block maps x + delta to x' + delta'.
+
+        Each residual add happens inside the RMSNorm that reads its sum (compiled, one kernel): the
+        mixer's output projection is added in ``norm_2``; the MLP's, returned as ``delta'``, in the next
+        block's ``norm_1`` (or the final norm). The GEMMs then write fresh outputs; a GEMM that adds
+        into a residual (``addmm``) copies the residual first at batch 1, one more kernel each."""
+        x, delta = x
+        x = x + delta
         h = self.norm_1(x)
         if self.kind == "gdn2":
             heads, out = self.mixer.fused_decode_mix(h, cache, weights.mixer), self.mixer.o_proj
         else:
             heads, out = self.mixer.decode_attend(h, ctx, cache), self.mixer.proj
-        # x + out(heads) and x + w3(...) as GEMMs that take the residual as their addend (the output
-        # projections have no bias): no separate add kernels
-        x = torch.addmm(x.reshape(B, d), heads.reshape(B, -1), out.weight.t())
+        x = x + F.linear(heads, out.weight)
         gate, up = F.linear(self.norm_2(x), weights.mlp_in).chunk(2, dim=-1)
-        x = torch.addmm(x, F.silu(gate) * up, self.mlp.w3.weight.t())
-        return x.reshape(B, 1, d)
+        return x, F.linear(F.silu(gate) * up, self.mlp.w3.weight)
 
     def decode_weight_sources(self) -> list[torch.Tensor]:
         """The parameters this block's fused decode weights are copied from."""
@@ -250,32 +257,38 @@ class InferenceCache:
         return any(isinstance(c, AttentionCache) and c.full_attention for c in self.layers)
 
 
-def block_decode_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
-                      weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+def block_decode_step(block: Block, x: Any, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
+                      weights: Optional[BlockDecodeWeights] = None) -> Any:
     """``block.decode_step(x, ctx, cache, weights)`` as a free function: compiling it once serves every
     block of a kind (torch.compile treats the module as an input, not as a constant)."""
     return block.decode_step(x, ctx, cache, weights)
 
 
-def decode_inputs(model: "GPT", tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, DecodeContext]:
-    """The start of :meth:`GPT.decode_step`: token embeddings [B,1,d] and the step's DecodeContext."""
-    return model.transformer.wte(tokens)[:, None], model._decode_context(cache)
+def decode_inputs(model: "GPT", tokens: torch.Tensor, cache: InferenceCache,
+                  fused: bool = False) -> tuple[Any, DecodeContext]:
+    """The start of :meth:`GPT.decode_step`: token embeddings [B,1,d] and the step's DecodeContext.
+    ``fused``: the embeddings as the pair (x, 0) that the fused block steps pass on."""
+    x = model.transformer.wte(tokens)[:, None]
+    return ((x, torch.zeros_like(x)) if fused else x), model._decode_context(cache)
 
 
-def decode_head(model: "GPT", x: torch.Tensor) -> torch.Tensor:
-    """The end of :meth:`GPT.decode_step`: final norm and head, x [B,1,d] -> logits [B, vocab_size]."""
+def decode_head(model: "GPT", x: Any) -> torch.Tensor:
+    """The end of :meth:`GPT.decode_step`: final norm and head, x [B,1,d] (or a pair (x, delta) from the
+    fused block steps, summed first) -> logits [B, vocab_size]."""
+    if isinstance(x, tuple):
+        x = x[0] + x[1]
     return model.lm_head(model.transformer.ln_f(x))[:, 0]
 
 
 # One function per layer kind: torch.compile keeps its graphs per function (code object), and each
 # function may hold at most ``torch._dynamo.config.recompile_limit`` (8) of them, one per batch size.
-def _gdn2_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: GDN2Cache,
-                     weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+def _gdn2_block_step(block: Block, x: Any, ctx: DecodeContext, cache: GDN2Cache,
+                     weights: Optional[BlockDecodeWeights] = None) -> Any:
     return block.decode_step(x, ctx, cache, weights)
 
 
-def _attention_block_step(block: Block, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache,
-                          weights: Optional[BlockDecodeWeights] = None) -> torch.Tensor:
+def _attention_block_step(block: Block, x: Any, ctx: DecodeContext, cache: AttentionCache,
+                          weights: Optional[BlockDecodeWeights] = None) -> Any:
     return block.decode_step(x, ctx, cache, weights)
 
 
@@ -409,8 +422,9 @@ class GPT(nn.Module):
         ``weights`` (from :meth:`prepare_decoding`): run the fused step (the same logits, fewer
         kernels); stale weights are a ValueError (``weights.refresh()`` updates them).
         ``block_step(block, x, ctx, layer_cache, layer_weights)``, when given, runs each block instead
-        of ``Block.decode_step``; its ``inputs`` and ``head`` attributes, when present, replace
-        :func:`decode_inputs` and :func:`decode_head` (see :func:`compiled_block_step`).
+        of ``Block.decode_step`` (with ``weights``, x is the pair that :meth:`Block.decode_step` takes);
+        its ``inputs`` and ``head`` attributes, when present, replace :func:`decode_inputs` and
+        :func:`decode_head` (see :func:`compiled_block_step`).
         """
         blocks = weights.blocks if weights is not None else [None] * len(self.transformer.h)
         if weights is not None and not torch.compiler.is_compiling():
@@ -421,7 +435,7 @@ class GPT(nn.Module):
                 raise ValueError(f"decode weights of blocks {stale} are stale (the parameters changed after "
                                  "prepare_decoding()): call weights.refresh()")
         step = block_step or block_decode_step
-        x, ctx = getattr(step, "inputs", decode_inputs)(self, tokens, cache)
+        x, ctx = getattr(step, "inputs", decode_inputs)(self, tokens, cache, weights is not None)
         for i, block in enumerate(self.transformer.h):
             x = step(block, x, ctx, cache.layers[i], blocks[i])
         logits = getattr(step, "head", decode_head)(self, x)

@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from gdn2.config import Config
-from gdn2.layers.decoding import DecodeContext, write_kv_slot
+from gdn2.layers.decoding import DecodeContext, ring_decode_attention
 from gdn2.layers.init import Linear
 from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
@@ -39,15 +38,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def apply_rope_per_row(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B,1,H,D]; cos, sin: [B,D] (one position per batch row). Same arithmetic as :func:`apply_rope`."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    cos, sin = cos[:, None, None, :].to(xf.dtype), sin[:, None, None, :].to(xf.dtype)
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
@@ -174,14 +164,11 @@ class CausalSelfAttention(nn.Module):
 
     def decode_attend(self, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache) -> torch.Tensor:
         """:meth:`decode_step` without the output projection: x [B,1,d] -> heads [B,1,n_head*head_size]
-        (the fused block step applies ``proj`` together with the residual add)."""
+        (the fused block step applies ``proj`` together with the residual add). After the qkv GEMM, one
+        op (``gdn2::ring_decode_attention``) rotates q and k, writes the new key and value to the ring
+        slot and attends over the visible slots."""
         B = x.shape[0]
-        H, Hkv, D = self.n_head, self.n_kv, self.head_size
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D)
-        q, k = apply_rope_per_row(q, ctx.cos, ctx.sin), apply_rope_per_row(k, ctx.cos, ctx.sin)
-        write_kv_slot(cache.k, cache.v, cache.positions, ctx.slot, ctx.column, k, v)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), cache.k.to(q.dtype).transpose(1, 2), cache.v.to(q.dtype).transpose(1, 2),
-            attn_mask=ctx.visible[:, None, None, :], enable_gqa=Hkv != H)
-        return o.transpose(1, 2).reshape(B, 1, H * D)
+        qkv = self.qkv(x).reshape(B, -1)
+        o = ring_decode_attention(qkv, ctx.cos, ctx.sin, cache.k, cache.v, cache.positions, ctx.slot, ctx.column,
+                                  ctx.visible, self.n_head)
+        return o.reshape(B, 1, self.n_head * self.head_size)

@@ -2,9 +2,9 @@
 
 ``GPT.decode_step`` computes the RoPE tables and the attention mask once per step (every attention
 layer has the same window, head size and ring-buffer layout) and hands them to the layers in a
-:class:`DecodeContext`. The steps that write into the cache (a key/value slot, the GDN-2 state) are
-registered as custom ops that declare what they mutate, so ``torch.compile`` sees the whole step as one
-graph and still updates the cache in place, which a captured CUDA graph relies on.
+:class:`DecodeContext`. The steps that write into the cache (attention with its key/value slot write,
+the GDN-2 state) are registered as custom ops that declare what they mutate, so ``torch.compile`` sees
+the whole step as one graph and still updates the cache in place, which a captured CUDA graph relies on.
 
 :func:`optimizer_step_count` lets the fused decode-time weight copies (``gdn2.model.DecodeWeights``)
 notice optimizer steps that bypass version counters (fused optimizers).
@@ -12,6 +12,7 @@ notice optimizer steps that bypass version counters (fused optimizers).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gdn2.ops import fused_recurrent_gdn2
+from gdn2.ops.decode_attention import ring_decode_attention_reference, ring_decode_attention_triton
 
 
 _optimizer_steps = 0
@@ -53,19 +55,37 @@ class DecodeContext:
     sin: Optional[torch.Tensor] = None
 
 
-@torch.library.custom_op("gdn2::write_kv_slot", mutates_args=("k_cache", "v_cache", "positions"))
-def write_kv_slot(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
-                  column: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_cache, v_cache: [B, capacity, Hkv, D]; positions: int64 [capacity]; slot: int64 [1];
-    column: int64 0-d; k, v: [B, 1, Hkv, D]. Writes k, v and the column at ``slot``, in place."""
-    k_cache.index_copy_(1, slot, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, slot, v.to(v_cache.dtype))
-    positions.index_copy_(0, slot, column.reshape(1))
+def _decode_attention_backend(device: torch.device) -> str:
+    """'triton' on CUDA, 'torch' elsewhere; ``GDN2_BACKEND=torch`` / ``triton`` chooses (the Triton
+    kernel runs on the CPU under ``TRITON_INTERPRET=1``)."""
+    choice = os.environ.get("GDN2_BACKEND")
+    if choice == "torch":
+        return "torch"
+    if choice == "triton" or device.type == "cuda":
+        return "triton"
+    return "torch"
 
 
-@write_kv_slot.register_fake
-def _write_kv_slot_fake(k_cache, v_cache, positions, slot, column, k, v) -> None:
-    return None
+@torch.library.custom_op("gdn2::ring_decode_attention", mutates_args=("k_cache", "v_cache", "positions"))
+def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, column: torch.Tensor,
+                          visible: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The attention layer's decode step after its qkv projection: RoPE on q and k, the new key and
+    value written to ring slot ``slot`` (and ``column`` to ``positions[slot]``), in place, and each row's
+    query attending to the slots ``visible`` marks. qkv [B, (n_head + 2*Hkv) * D]; cos, sin fp32
+    [B, D]; k_cache, v_cache [B, C, Hkv, D]; positions int64 [C]; slot int64 [1]; column int64 0-d;
+    visible bool [B, C]. Returns o [B, n_head * D]. See ``gdn2.ops.decode_attention``."""
+    if _decode_attention_backend(qkv.device) == "triton":
+        return ring_decode_attention_triton(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
+                                            n_head)
+    return ring_decode_attention_reference(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
+                                           n_head)
+
+
+@ring_decode_attention.register_fake
+def _ring_decode_attention_fake(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
+                                n_head) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], n_head * k_cache.shape[-1])
 
 
 @torch.library.custom_op("gdn2::recurrent_decode", mutates_args=("state",))

@@ -320,10 +320,11 @@ class GatedDeltaNet2(nn.Module):
         cache.conv.copy_(window[:, 1:])
         # the slices are contiguous at B = 1; at B > 1 the copies let the kernel read them densely
         q, k, v = (t.contiguous() for t in conv.split([Kd, Kd, Vd], dim=-1))
-        # 2-D: a strided [B, 2r] view goes to one addmm (a 3-D strided input would be mm + add). A
+        # The bias is added apart from the GEMM, so that the compiler folds it into the kernels that
+        # read f and the gate (a GEMM with a bias copies the bias into its output first at batch 1). A
         # non-finite hidden unit would leak into the other stage through the zero blocks, but it
         # already makes this layer's output non-finite in the unfused step.
-        f, gate = F.linear(hidden.reshape(B, -1), weights.low_rank, weights.low_rank_bias).split([Kd, Vd], dim=-1)
+        f, gate = (F.linear(hidden.reshape(B, -1), weights.low_rank) + weights.low_rank_bias).split([Kd, Vd], dim=-1)
         g = weights.decay_rate * F.softplus(f.float() + self.dt_bias)
         b, w = (t.contiguous() for t in torch.sigmoid(bw).split([Kd, Vd], dim=-1))
         if self.allow_neg_eigval:
