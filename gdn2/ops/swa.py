@@ -28,7 +28,7 @@ such rows, and their score masks zero every product with them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -93,27 +93,59 @@ def _interpreted(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, BwdConfig]:
+def default_configs(head_dim: int, device: torch.device,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[FwdConfig, BwdConfig]:
     """The tile shapes used when none are given: small tiles under the interpreter (fast on CPU),
     Hopper-sized tiles on CUDA, shrinking as the head dim grows so that accumulators fit registers.
 
     D = 128 is the measured one (bench/ops_swa.py sweep on an H200); the others are scaled from it.
+    The tiles are sized for 16-bit inputs; for wider ones (fp32) the streamed tiles shrink until the
+    pipelined buffers fit the shared memory (see ``fit_shared_memory``).
     """
     if _interpreted(device):
         return (FwdConfig(32, 16, 4, 1),
                 BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1))
     if head_dim <= 64:
-        return (FwdConfig(128, 64, 4, 3),
-                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3))
+        return fit_shared_memory(FwdConfig(128, 64, 4, 3),
+                                 BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3), head_dim, dtype)
     if head_dim <= 128:
         # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
         # the register file; dq then comes from its own kernel. Larger query tiles spill and run
         # at half the speed; the atomic-dq variant ran 15% slower. TMA loads (per-kernel sweep,
         # bench/NOTES.md): forward 128 x 128 tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel even.
-        return (FwdConfig(128, 128, 8, 3, tma=True),
-                BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3, dq_tma=True))
-    return (FwdConfig(64, 64, 8, 2),
-            BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1))
+        return fit_shared_memory(FwdConfig(128, 128, 8, 3, tma=True),
+                                 BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3, dq_tma=True), head_dim, dtype)
+    return fit_shared_memory(FwdConfig(64, 64, 8, 2),
+                             BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1), head_dim, dtype)
+
+
+# Pipelined buffers per program: the streamed tiles (two of them: k and v, or q and do) times the
+# stages. Hopper has 227 KB per block; the rest is left for the compiler's own scratch.
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def streamed_bytes(rows: int, stages: int, head_dim: int, itemsize: int) -> int:
+    return 2 * rows * head_dim * itemsize * max(stages, 1)
+
+
+def fit_shared_memory(fwd: FwdConfig, bwd: BwdConfig, head_dim: int,
+                      dtype: torch.dtype) -> tuple[FwdConfig, BwdConfig]:
+    """Halve each kernel's streamed tile (forward and dq: keys; dk/dv: queries) until its pipelined
+    buffers fit ``SHARED_MEMORY_BUDGET`` for this dtype (fp32 doubles them: a 128 x 128 x 3-stage
+    forward needs 384 KB). 16-bit inputs at the measured tile shapes are left as they are."""
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def shrink(rows, stages):
+        while rows > 16 and streamed_bytes(rows, stages, head_dim, size) > SHARED_MEMORY_BUDGET:
+            rows //= 2
+        return rows
+
+    fwd = replace(fwd, block_n=shrink(fwd.block_n, fwd.num_stages))
+    bwd = replace(bwd, block_m=shrink(bwd.block_m, bwd.num_stages),
+                  dq_block_n=shrink(bwd.dq_block_n, bwd.dq_num_stages))
+    if size > 2:  # TMA was measured with 16-bit tiles only; wider inputs keep the pointer loads
+        fwd, bwd = replace(fwd, tma=False), replace(bwd, tma=False, dq_tma=False)
+    return fwd, bwd
 
 
 # --------------------------------------------------------------------------------------------------
@@ -681,7 +713,7 @@ def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     HKV = k.shape[2]
     if scale is None:
         scale = D ** -0.5
-    cfg = config or default_configs(D, q.device)[0]
+    cfg = config or default_configs(D, q.device, q.dtype)[0]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
@@ -714,7 +746,7 @@ def swa_backward_dq(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     HKV = k.shape[2]
     if scale is None:
         scale = D ** -0.5
-    cfg = config or default_configs(D, q.device)[1]
+    cfg = config or default_configs(D, q.device, q.dtype)[1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     dq = torch.empty_like(q)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
@@ -742,7 +774,7 @@ def swa_backward_dkdv(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     HKV = k.shape[2]
     if scale is None:
         scale = D ** -0.5
-    cfg = config or default_configs(D, q.device)[1]
+    cfg = config or default_configs(D, q.device, q.dtype)[1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -775,7 +807,7 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     B, T, H, D = q.shape
     if scale is None:
         scale = D ** -0.5
-    cfg = config or default_configs(D, q.device)[1]
+    cfg = config or default_configs(D, q.device, q.dtype)[1]
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     do = do.to(q.dtype)
     if T == 0:

@@ -14,7 +14,7 @@ from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
 from gdn2.ops.swa import (BwdConfig, FwdConfig, _tma_usable, count_key_blocks, count_query_blocks,
                           key_block_range, query_block_range, sliding_window_attention_triton, swa_backward,
-                          swa_forward)
+                          swa_forward, SHARED_MEMORY_BUDGET, default_configs, streamed_bytes)
 from gdn2.ops.testing import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -284,3 +284,22 @@ def test_bad_input_names_the_argument():
         sliding_window_attention_triton(q.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1),
                                         kv.expand(2, -1, -1, -1), 4,
                                         cu_seqlens=torch.tensor([0, 8], device=DEVICE))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_tiles_fit_shared_memory_for_every_dtype(head_dim, monkeypatch):
+    """The CUDA tile shapes are measured for bf16; fp32 inputs double every pipelined buffer, so the
+    streamed tiles must shrink until they fit (a 128 x 128, 3-stage forward needs 384 KB in fp32, beyond
+    Hopper's 227 KB). 16-bit inputs keep the measured shapes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+    half = default_configs(head_dim, cuda, torch.bfloat16)
+    assert default_configs(head_dim, cuda, torch.float16) == half
+    fwd, bwd = default_configs(head_dim, cuda, torch.float32)
+    for f, b, size in ((fwd, bwd, 4), (*half, 2)):
+        assert streamed_bytes(f.block_n, f.num_stages, head_dim, size) <= SHARED_MEMORY_BUDGET
+        assert streamed_bytes(b.dq_block_n, b.dq_num_stages, head_dim, size) <= SHARED_MEMORY_BUDGET
+        assert streamed_bytes(b.block_m, b.num_stages, head_dim, size) <= SHARED_MEMORY_BUDGET
+    if head_dim == 128:
+        assert half[0].block_n == 128 and fwd.block_n == 64  # the measured bf16 tile, halved for fp32
+        assert half[0].tma and not fwd.tma and not bwd.dq_tma
