@@ -322,7 +322,8 @@ def main() -> None:
         print(f"largest micro-batch: {report['largest_micro_batch']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train_throughput_{Path(args.config).stem}_{args.gpus}gpu.json"
+    name = Path(args.config).stem if args.config.endswith((".yaml", ".yml")) else Path(args.config).name
+    path = out / f"train_throughput_{name}_{args.gpus}gpu.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
 
