@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config
-from gdn2.ops.gdn2_triton_utils import chunk_bounds, exp2_nonpos, load_rows, seq_bounds, store_rows, tuned
+from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, load_block, load_rows, seq_bounds, store_rows,
+                                        tuned)
 
 
 _SCAN_CONFIGS = [
@@ -138,21 +139,6 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
     p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
     tl.store(daqk + p_a, b_daqk, mask=m_t[:, None])
     tl.store(dtm + p_a, b_dtm, mask=m_t[:, None])
-
-
-@triton.jit
-def load_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, o_c, L, H: tl.constexpr, BT: tl.constexpr,
-               BC: tl.constexpr, TRANS: tl.constexpr):
-    """Block (i, j) of a token-major [TT, H, BT] chunk matrix as a [BC, BC] tile, or its transpose
-    (read in transposed order, no register transpose); rows at or past L read as zeros."""
-    rows = i * BC + o_c
-    if TRANS:
-        p = row0 * BT + (rows[None, :] * (H * BT) + (j * BC + o_c)[:, None])
-        x = tl.load(ptr + p, mask=(rows < L)[None, :], other=0.0)
-    else:
-        p = row0 * BT + (rows[:, None] * (H * BT) + (j * BC + o_c)[None, :])
-        x = tl.load(ptr + p, mask=(rows < L)[:, None], other=0.0)
-    return x
 
 
 @triton.jit

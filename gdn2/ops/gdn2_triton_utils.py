@@ -139,6 +139,21 @@ def store_rows(ptr, base, rows, o_k, L, x, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def load_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, o_c, L, H: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr, TRANS: tl.constexpr):
+    """Block (i, j) of a token-major [TT, H, BT] chunk matrix as a [BC, BC] tile, or its transpose
+    (read in transposed order, no register transpose); rows at or past L read as zeros."""
+    rows = i * BC + o_c
+    if TRANS:
+        p = row0 * BT + (rows[None, :] * (H * BT) + (j * BC + o_c)[:, None])
+        x = tl.load(ptr + p, mask=(rows < L)[None, :], other=0.0)
+    else:
+        p = row0 * BT + (rows[:, None] * (H * BT) + (j * BC + o_c)[None, :])
+        x = tl.load(ptr + p, mask=(rows < L)[:, None], other=0.0)
+    return x
+
+
+@triton.jit
 def exp2_nonpos(x):
     # every decay factor is exp2 of an exponent <= 0 where it is used; clamping keeps the masked
     # lanes (whose exponent may be large and positive) finite instead of inf.
