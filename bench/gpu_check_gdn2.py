@@ -333,7 +333,8 @@ def _kernels():
             "gdn2_intra_solve_kernel": F_.gdn2_intra_solve_kernel,
             "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
             "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
-            "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
+            "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel,
+            "gdn2_bwd_intra_blocks_kernel": B_.gdn2_bwd_intra_blocks_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
 
 
 def _ptxas_usage(ptx: str):
@@ -418,7 +419,7 @@ def _probe_one(job):
 _VARIANTS = [("gdn2_intra_kernel", {}), ("gdn2_intra_blocks_kernel", {}), ("gdn2_intra_solve_kernel", {}),
              ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=False)),
              ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", {}),
-             ("gdn2_bwd_qkbg_kernel", {})]
+             ("gdn2_bwd_intra_blocks_kernel", {}), ("gdn2_bwd_qkbg_kernel", {})]
 
 
 def probe(dtypes=("bf16",), aot=False, pinned_only=False):

@@ -48,6 +48,8 @@ SWEEPS = {
     "intra_solve": (fwd_mod, "gdn2_intra_solve_kernel", [
         cfg(4, BK=64, BV=64), cfg(4, BK=32, BV=32), cfg(8, BK=64, BV=64), cfg(2, BK=32, BV=32),
         cfg(4, BK=128, BV=128)]),
+    "bwd_intra_blocks": (bwd_mod, "gdn2_bwd_intra_blocks_kernel", [
+        cfg(1, BK=32), cfg(1, BK=64), cfg(2, BK=32), cfg(1, BK=16)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
         cfg(1, BK=32), cfg(2, BK=16), cfg(1, BK=64), cfg(1, BK=16), cfg(2, BK=32)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
@@ -104,7 +106,7 @@ def main():
     for short in args.kernels.split(","):
         mod, attr, configs = SWEEPS[short]
         # the block-parallel intra kernels only run with GDN2_INTRA=blocks
-        os.environ["GDN2_INTRA"] = "blocks" if short.startswith("intra_") else "chunk"
+        os.environ["GDN2_INTRA"] = "blocks" if "blocks" in short or short == "intra_solve" else "chunk"
         kern = getattr(mod, attr)
         saved = (kern.configs, kern.direct, kern.pick)
         ref = None

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel
+from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_blocks_kernel, gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel,
+                                     gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel)
 from gdn2.ops.gdn2_chunk_fwd import (gdn2_fwd_scan_kernel, gdn2_intra_blocks_kernel, gdn2_intra_kernel,
                                      gdn2_intra_solve_kernel)
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
@@ -122,9 +123,14 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     dqi = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     dbki = torch.empty_like(dqi)
     dki = torch.empty_like(dqi)
-    gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-        q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
-        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    if _block_parallel_intra():
+        gdn2_bwd_intra_blocks_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H, 2 * CHUNK // SUB)](
+            q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
+            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    else:
+        gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+            q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
+            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
     del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)

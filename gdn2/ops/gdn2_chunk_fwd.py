@@ -53,7 +53,7 @@ def diag_columns(b_q, b_k, b_bk, b_G, o_c, BC: tl.constexpr):
 
 
 @triton.jit
-def load_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr,
+def load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr,
                    BC: tl.constexpr):
     """q, k, b (fp32 [BC, BK]) of sub-chunk i and its cumulative log2-decay G = a + cumsum(g*log2 e);
     also e (G at the last row), m (G at the middle row) and whether the anchored diagonal is safe."""

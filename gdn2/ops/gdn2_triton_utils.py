@@ -139,7 +139,7 @@ def store_rows(ptr, base, rows, o_k, L, x, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def load_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, o_c, L, H: tl.constexpr, BT: tl.constexpr,
+def load_block(ptr, row0, i, j, o_c, L, H: tl.constexpr, BT: tl.constexpr,
                BC: tl.constexpr, TRANS: tl.constexpr):
     """Block (i, j) of a token-major [TT, H, BT] chunk matrix as a [BC, BC] tile, or its transpose
     (read in transposed order, no register transpose); rows at or past L read as zeros."""
