@@ -34,6 +34,7 @@ for p in (ROOT, os.path.join(ROOT, "bench")):
 
 from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2  # noqa: E402
 from gpu_check_gdn2 import gpu_inputs  # noqa: E402
+from profiling import kernel_times  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 SHAPES = [(8, 4096, 16), (4, 8192, 16), (1, 32768, 16)]
@@ -58,7 +59,6 @@ def copy_bandwidth():
     x = torch.empty(2 * 1024 ** 3, device="cuda", dtype=torch.uint8)
     y = torch.empty_like(x)
     t = median_ms(lambda: y.copy_(x))
-    del x, y
     return 2 * 2 * 1024 ** 3 / (t * 1e-3)  # bytes read + written per second
 
 
@@ -90,6 +90,31 @@ def save():
         json.dump(res, f, indent=1)
 
 
+def time_impl(name, fn, ins, tag):
+    """Inference forward time, activation memory kept for the backward, forward + backward time."""
+    with torch.inference_mode():
+        t = median_ms(lambda: fn(*ins))
+    rec(f"{name}_fwd_ms_{tag}", round(t, 3))
+    leaves = [x.detach().requires_grad_() for x in ins]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    o, _ = fn(*leaves)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - o.numel() * o.element_size()
+    rec(f"{name}_saved_MB_{tag}", round(saved / 2 ** 20, 1))
+    do = torch.randn_like(o)
+    o.backward(do)
+    del o
+
+    def fb():
+        for x in leaves:
+            x.grad = None
+        o, _ = fn(*leaves)
+        o.backward(do)
+
+    rec(f"{name}_fwdbwd_ms_{tag}", round(median_ms(fb), 3))
+
+
 def bench_training(B, T, H, impls, bw):
     tag = f"{B}x{T}x{H}"
     ins = gpu_inputs(B, T, H, K, V, seed=1)
@@ -99,29 +124,7 @@ def bench_training(B, T, H, impls, bw):
     for name, fn in impls:
         t_first = time.time()
         try:
-            with torch.inference_mode():
-                t = median_ms(lambda: fn(*ins))
-            rec(f"{name}_fwd_ms_{tag}", round(t, 3))
-            leaves = [x.detach().requires_grad_() for x in ins]
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            o, _ = fn(*leaves)
-            torch.cuda.synchronize()
-            saved = torch.cuda.memory_allocated() - base - o.numel() * o.element_size()
-            rec(f"{name}_saved_MB_{tag}", round(saved / 2 ** 20, 1))
-            do = torch.randn_like(o)
-            o.backward(do)
-            del o
-
-            def fb():
-                for x in leaves:
-                    x.grad = None
-                o, _ = fn(*leaves)
-                o.backward(do)
-
-            t = median_ms(fb)
-            rec(f"{name}_fwdbwd_ms_{tag}", round(t, 3))
-            del leaves, do
+            time_impl(name, fn, ins, tag)  # its tensors are freed when it returns
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         rec(f"{name}_wall_s_{tag}", round(time.time() - t_first, 1))  # compile / autotune included
@@ -169,8 +172,6 @@ def intra_variant_ab(bw):
 def profile_split(fn, name="ours", reps=5):
     """Per-kernel CUDA time (ms per call of the operator) at 8 x 4096 x 16: one forward + backward and
     one inference forward, each averaged over ``reps`` profiled calls."""
-    from torch.profiler import ProfilerActivity, profile
-
     B, T, H = PROFILE_SHAPE
     ins = gpu_inputs(B, T, H, K, V, seed=3)
     leaves = [x.detach().requires_grad_() for x in ins]
@@ -187,18 +188,7 @@ def profile_split(fn, name="ours", reps=5):
             fn(*ins)
 
     for label, step in (("fwdbwd", fb), ("fwd", fwd)):
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                step()
-            torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if t > 0:
-                rows.append((e.key, t / 1e3 / reps, e.count / reps))
-        rows.sort(key=lambda r: -r[1])
+        rows = kernel_times(step, reps)
         total = sum(ms for _, ms, _ in rows)
         print(f"\nper-kernel CUDA time, {name} {label} at {B}x{T}x{H} (ms per call, launches per call); "
               f"sum {total:.3f} ms", flush=True)

@@ -215,21 +215,8 @@ def kernel_split(fn, iters=5) -> dict:
     """ms per call of each GPU kernel that ``fn`` launches (torch.profiler, after one warm call)."""
     if DEVICE != "cuda":
         return {}
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    split = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:
-            us = getattr(evt, "self_cuda_time_total", 0.0)
-        if us > 0:
-            split[evt.key[:60]] = us / iters / 1e3
-    return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+    from profiling import kernel_times
+    return {key[:60]: ms for key, ms, _ in kernel_times(fn, iters)}
 
 
 def _label(c) -> str:

@@ -30,6 +30,7 @@ from gdn2.ops import chunk_gdn2  # noqa: E402
 from gdn2.ops import gdn2_chunk_bwd as bwd_mod  # noqa: E402
 from gdn2.ops import gdn2_chunk_fwd as fwd_mod  # noqa: E402
 from gpu_check_gdn2 import gpu_inputs  # noqa: E402
+from profiling import kernel_times  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 
@@ -65,21 +66,9 @@ SWEEPS = {
 
 
 def kernel_ms(step, name, reps=3):
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    total, mine = 0.0, 0.0
-    for e in prof.key_averages():
-        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / 1e3 / reps
-        total += t
-        if e.key.startswith(name):
-            mine += t
-    return mine, total
+    """CUDA time per call of the kernels named ``name`` and of all kernels together (ms)."""
+    rows = kernel_times(step, reps)
+    return sum(ms for key, ms, _ in rows if key.startswith(name)), sum(ms for _, ms, _ in rows)
 
 
 def main():
