@@ -24,9 +24,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import LOG2E, anchored_sub_chunk, chain_anchor, load_sub_chunk, scan_config
-from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, load_block, load_rows, seq_bounds, store_rows,
-                                        tuned)
+from gdn2.ops.gdn2_chunk_fwd import (BLOCK_PROGRAM_CONFIGS, LOG2E, anchored_sub_chunk, chain_anchor, load_sub_chunk,
+                                     scan_config)
+from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
+                                        seq_bounds, store_rows, tuned)
 
 
 _SCAN_CONFIGS = [
@@ -293,16 +294,9 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
     the forward built them (16-row sub-chunks, the same anchors, the same fast / exact diagonal paths).
     """
-    NK = tl.cdiv(K, BK)
-    i_c = tl.program_id(0) // NK
-    i_k = tl.program_id(0) % NK
-    i_h = tl.program_id(1)
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
-    row0 = t0.to(tl.int64) * H + i_h
-    base = row0 * K
     dt = q.dtype.element_ty
-    o_k = i_k * BK + tl.arange(0, BK)
 
     # (sub-chunks spelled out: see gdn2_intra_kernel); a sub-chunk's dq and d(b*k) are complete once
     # its own row of blocks is done, its dk once every later row is
@@ -350,14 +344,7 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
 
 
-_BWD_INTRA_BLOCK_CONFIGS = [
-    triton.Config({"BK": 32}, num_warps=1, num_stages=1),
-    triton.Config({"BK": 64}, num_warps=1, num_stages=1),
-    triton.Config({"BK": 32}, num_warps=2, num_stages=1),
-]
-
-
-@tuned(_BWD_INTRA_BLOCK_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
+@tuned(BLOCK_PROGRAM_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
 def gdn2_bwd_intra_blocks_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info, T, NT,
                                  H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -367,17 +354,10 @@ def gdn2_bwd_intra_blocks_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chun
     heads, 8): programs 0-3 write the row side of sub-chunk i (dqi, dbki: its diagonal block and the
     blocks (i, j < i)), programs 4-7 the column side of sub-chunk j (dki: its diagonal block and the
     blocks (i > j, j)). No program walks the whole four-sub-chunk chain and none needs atomics."""
-    NK = tl.cdiv(K, BK)
-    i_c = tl.program_id(0) // NK
-    i_k = tl.program_id(0) % NK
-    i_h = tl.program_id(1)
+    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     p = tl.program_id(2)
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     o_c = tl.arange(0, BC)
-    row0 = t0.to(tl.int64) * H + i_h
-    base = row0 * K
     dt = q.dtype.element_ty
-    o_k = i_k * BK + tl.arange(0, BK)
     zero_k = tl.zeros([BK], dtype=tl.float32)
     if p < 4:
         i = p
@@ -440,14 +420,7 @@ def gdn2_bwd_qkbg_kernel(q, k, b, g, amat, hbuf, dhbuf, do, r, dr, dqi, dbki, dk
     The key blocks of one chunk are neighbours in launch order, so the value-side tiles they all read
     (dO, R, dR, the state checkpoints) come from L2 after the first.
     """
-    NK = tl.cdiv(K, BK)
-    i_c = tl.program_id(0) // NK
-    i_k = tl.program_id(0) % NK
-    i_h = tl.program_id(1)
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    row0 = t0.to(tl.int64) * H + i_h
-    base = row0 * K
-    o_k = i_k * BK + tl.arange(0, BK)
+    i_c, i_h, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_t = tl.arange(0, BT)
     b_dq_i = load_rows(dqi, base, o_t, o_k, L, H, K)
     b_dbk = load_rows(dbki, base, o_t, o_k, L, H, K)

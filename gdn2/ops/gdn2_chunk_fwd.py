@@ -102,7 +102,7 @@ def intra_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.con
 
 
 @triton.jit
-def exact_diag(q, k, b, g, base, i: tl.constexpr, o_c, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+def exact_diag(q, k, b, g, base, i, o_c, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
                BK: tl.constexpr):
     """Diagonal blocks (Aqk unscaled, T) of sub-chunk i by ``diag_columns`` over all key blocks, with G
     recomputed by the same chain of sub-chunk cumsums as the main loop (bit-identical anchors)."""
@@ -110,10 +110,7 @@ def exact_diag(q, k, b, g, base, i: tl.constexpr, o_c, L, H: tl.constexpr, K: tl
     d_t = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        a = tl.zeros([BK], dtype=tl.float32)
-        for j in range(0, i):
-            b_G = a[None, :] + tl.cumsum(load_rows(g, base, j * BC + o_c, o_k, L, H, K) * LOG2E, axis=0)
-            a = row_of(b_G, BC - 1, BC)
+        a = chain_anchor(g, base, 0, i, tl.zeros([BK], dtype=tl.float32), o_c, o_k, L, H, K, BC)
         b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
         x_qk, x_t = diag_columns(b_q, b_k, b_b * b_k, b_G, o_c, BC)
         d_qk += x_qk
@@ -384,14 +381,15 @@ def chain_anchor(g, base, first, last, a, o_c, o_k, L, H: tl.constexpr, K: tl.co
     return a
 
 
-_INTRA_BLOCK_CONFIGS = [
+# the block-parallel kernels of both directions (GDN2_INTRA=blocks); pinned first, not yet swept
+BLOCK_PROGRAM_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=1),
     triton.Config({"BK": 64}, num_warps=1, num_stages=1),
     triton.Config({"BK": 32}, num_warps=2, num_stages=1),
 ]
 
 
-@tuned(_INTRA_BLOCK_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
+@tuned(BLOCK_PROGRAM_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
 def gdn2_intra_blocks_kernel(q, k, g, b, aqk, tmat, y, kt, qg, gcl, cu, chunk_info, scale, T, NT,
                              H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -448,17 +446,7 @@ def gdn2_intra_blocks_kernel(q, k, g, b, aqk, tmat, y, kt, qg, gcl, cu, chunk_in
             acc_t += tl.dot((b_bk * f_i).to(dt), x_k, input_precision=DOT_PREC)
     if slow != 0:
         # steep sub-chunk: the exact column-by-column diagonal replaces the anchored one
-        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
-        acc_t = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            a_i = chain_anchor(g, base, 0, i, tl.zeros([BK], dtype=tl.float32), o_c, o_k, L, H, K, BC)
-            b_Gi, _ = anchored_sub_chunk(g, base, i, a_i, o_c, o_k, L, H, K, BC)
-            b_k = load_rows(k, base, rows_i, o_k, L, H, K)
-            x_qk, x_t = diag_columns(load_rows(q, base, rows_i, o_k, L, H, K), b_k,
-                                     load_rows(b, base, rows_i, o_k, L, H, K) * b_k, b_Gi, o_c, BC)
-            acc_a += x_qk
-            acc_t += x_t
+        acc_a, acc_t = exact_diag(q, k, b, g, base, i, o_c, L, H, K, BC, BK)
     keep_a = (o_c[:, None] >= o_c[None, :]) | (i != j)
     keep_t = (o_c[:, None] > o_c[None, :]) | (i != j)
     m_r = (rows_i < L)[:, None]

@@ -100,6 +100,21 @@ def chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def key_block_program(cu, chunk_info, T, NT, H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr):
+    """Where a program of a (chunks * key blocks, heads) grid works: chunk i_c, head i_h, the chunk's
+    valid length L, the (token, head) row of its first token, that row's element offset into a
+    [TT, H, K] tensor and the key block's channel offsets o_k."""
+    NK = tl.cdiv(K, BK)
+    i_c = tl.program_id(0) // NK
+    i_h = tl.program_id(1)
+    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    row0 = t0.to(tl.int64) * H + i_h
+    o_k = (tl.program_id(0) % NK) * BK + tl.arange(0, BK)
+    return i_c, i_h, L, row0, row0 * K, o_k
+
+
+@triton.jit
 def seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN: tl.constexpr):
     """First token, end token and first global chunk of sequence ``i_n``."""
     if IS_VARLEN:
