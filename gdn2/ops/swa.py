@@ -261,21 +261,32 @@ def _load_tile(ptrs, rows, seq_len, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
+def _load_pair(a_base, b_base, a_desc, b_desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
+    """The two tiles a loop step streams (k and v, or q and do) at sequence rows ``rows`` (= first +
+    arange): through their TMA descriptors, where rows past the sequence hold the next sequence's data
+    (or zeros) and the caller's masks must drop them, or by pointer loads, zeros there."""
+    if TMA:
+        a = a_desc.load([row0 + first, col0])
+        b = b_desc.load([row0 + first, col0])
+    else:
+        off = _tile_offsets(rows, stride, offs_d, WIDE)
+        a = _load_tile(a_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+        b = _load_tile(b_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+    return a, b
+
+
+@triton.jit
 def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, k_desc, v_desc, row0, col0, kv_stride,
                   offs_m, offs_n, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        if TMA:
-            # rows past the sequence are the next sequence's (or zeros): only masked blocks reach
-            # them, and the causal mask drops them for every stored query row
-            k = k_desc.load([row0 + n0, col0])
-            v = v_desc.load([row0 + n0, col0])
-        else:
-            off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
-            k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
-            v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        # with TMA, keys past the sequence reach only masked blocks, and the causal mask drops them
+        # for every stored query row
+        k, v = _load_pair(k_base, v_base, k_desc, v_desc, row0, col0, n0, cols, kv_stride, offs_d, mask_d,
+                          seq_len, MASKED, EVEN_D, WIDE, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = cols[None, :] <= offs_m[:, None]
@@ -407,14 +418,10 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row
     # transposed space: rows are keys, columns are queries, so dk and dv come out without transposes
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m_tile
-        off = _tile_offsets(rows, q_stride, offs_d, WIDE)
-        if TMA:
-            # query rows past the sequence carry other data: the mask below zeroes their p and ds
-            q = q_desc.load([row0 + m0, col0])
-            do = do_desc.load([row0 + m0, col0])
-        else:
-            q = _load_tile(q_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
-            do = _load_tile(do_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
+        off = _tile_offsets(rows, q_stride, offs_d, WIDE)  # also the atomic dq's offsets
+        # with TMA, query rows past the sequence carry other data: the mask below zeroes their p and ds
+        q, do = _load_pair(q_base, do_base, q_desc, do_desc, row0, col0, m0, rows, q_stride, offs_d, mask_d,
+                           seq_len, MASKED, EVEN_D, WIDE, TMA)
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < seq_len, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < seq_len, other=0.0)
@@ -530,14 +537,9 @@ def _dq_key_loop(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, c
                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        if TMA:
-            # keys past the sequence: p is masked to zero, so ds is too
-            k = k_desc.load([row0 + n0, col0])
-            v = v_desc.load([row0 + n0, col0])
-        else:
-            off = _tile_offsets(cols, kv_stride, offs_d, WIDE)
-            k = _load_tile(k_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
-            v = _load_tile(v_base + off, cols, seq_len, mask_d, MASKED, EVEN_D)
+        # with TMA, keys past the sequence: p is masked to zero, so ds is too
+        k, v = _load_pair(k_base, v_base, k_desc, v_desc, row0, col0, n0, cols, kv_stride, offs_d, mask_d,
+                          seq_len, MASKED, EVEN_D, WIDE, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
