@@ -418,9 +418,9 @@ def gdn2_intra_blocks_kernel(q, k, g, b, aqk, tmat, y, kt, qg, gcl, cu, chunk_in
         a_j = chain_anchor(g, base, 0, j, zero_k, o_c, o_k, L, H, K, BC)
         b_Gj, e_j = anchored_sub_chunk(g, base, j, a_j, o_c, o_k, L, H, K, BC)
         b_q = load_rows(q, base, rows_i, o_k, L, H, K)
-        b_bk = load_rows(b, base, rows_i, o_k, L, H, K) * load_rows(k, base, rows_i, o_k, L, H, K)
+        b_k = load_rows(k, base, rows_i, o_k, L, H, K)
+        b_bk = load_rows(b, base, rows_i, o_k, L, H, K) * b_k
         if i == j:
-            b_k = load_rows(k, base, rows_i, o_k, L, H, K)
             m = row_of(b_Gj, BC // 2 - 1, BC)
             fast = tl.max(tl.maximum(a_j - m, m - e_j), axis=0) <= FAST_SPAN
             slow = slow | (1 - fast.to(tl.int32))
