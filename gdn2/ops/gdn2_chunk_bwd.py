@@ -354,7 +354,8 @@ def gdn2_bwd_intra_blocks_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chun
     heads, 8): programs 0-3 write the row side of sub-chunk i (dqi, dbki: its diagonal block and the
     blocks (i, j < i)), programs 4-7 the column side of sub-chunk j (dki: its diagonal block and the
     blocks (i > j, j)). No program walks the whole four-sub-chunk chain and none needs atomics."""
-    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+    # (Triton 3.6 types a name across an if: no `_` may be bound both here and in the branches)
+    i_c, i_h, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     p = tl.program_id(2)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
