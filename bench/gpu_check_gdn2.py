@@ -329,12 +329,10 @@ def table(rows):
 
 def _kernels():
     from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
-    return {"gdn2_intra_kernel": F_.gdn2_intra_kernel, "gdn2_intra_blocks_kernel": F_.gdn2_intra_blocks_kernel,
-            "gdn2_intra_solve_kernel": F_.gdn2_intra_solve_kernel,
+    return {"gdn2_intra_kernel": F_.gdn2_intra_kernel,
             "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
             "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
-            "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel,
-            "gdn2_bwd_intra_blocks_kernel": B_.gdn2_bwd_intra_blocks_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
+            "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
 
 
 def _ptxas_usage(ptx: str):
@@ -375,8 +373,7 @@ def _probe_one(job):
         cfg = tuned.configs[idx]
         fn = tuned.fn
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
-        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk", "tmat", "dqi", "dbki",
-                     "dki"}
+        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk", "dqi", "dbki", "dki"}
         ints = {"T", "NT", "SIZE", "store_u"}
         consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False,
                       SAVE_STATES=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
@@ -416,10 +413,10 @@ def _probe_one(job):
 
 
 # kernel variants compiled by the probe besides each config: (kernel, flags)
-_VARIANTS = [("gdn2_intra_kernel", {}), ("gdn2_intra_blocks_kernel", {}), ("gdn2_intra_solve_kernel", {}),
+_VARIANTS = [("gdn2_intra_kernel", {}),
              ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=False)),
              ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", {}),
-             ("gdn2_bwd_intra_blocks_kernel", {}), ("gdn2_bwd_qkbg_kernel", {})]
+             ("gdn2_bwd_qkbg_kernel", {})]
 
 
 def probe(dtypes=("bf16",), aot=False, pinned_only=False):

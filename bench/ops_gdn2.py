@@ -7,8 +7,7 @@ forward + backward time, the memory-traffic floor (bytes each must move / measur
 the activation memory kept for the backward. Decode: one token through the recurrent kernels at batch
 1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench (warmup 10 ms,
 rep 50 ms). Order: ours at every shape, our decode, --profile (per-kernel CUDA time of ours at
-8 x 4096 x 16, forward + backward and inference forward; then the same shape timed and split with the
-block-parallel intra-chunk forward, GDN2_INTRA=blocks), then the peer (whose first calls autotune
+8 x 4096 x 16, forward + backward and inference forward), then the peer (whose first calls autotune
 for a long time) shape by shape while --budget-s seconds are left. The JSON is rewritten after every
 stage, so a cut run keeps what it measured. --accuracy also runs bench/gpu_check_gdn2.py's accuracy
 table. Writes $OUT/ops_gdn2.json (./bench_out without $OUT).
@@ -158,17 +157,6 @@ def bench_decode(impls):
     save()
 
 
-def intra_variant_ab(bw):
-    """The block-parallel intra-chunk forward (GDN2_INTRA=blocks) against the default at 8 x 4096 x 16:
-    times and per-kernel split, in the same run."""
-    os.environ["GDN2_INTRA"] = "blocks"
-    try:
-        bench_training(*PROFILE_SHAPE, [("ours_blocks", ours_chunk)], bw)
-        profile_split(ours_chunk, name="ours_blocks")
-    finally:
-        os.environ.pop("GDN2_INTRA", None)
-
-
 def profile_split(fn, name="ours", reps=5):
     """Per-kernel CUDA time (ms per call of the operator) at 8 x 4096 x 16: one forward + backward and
     one inference forward, each averaged over ``reps`` profiled calls."""
@@ -221,7 +209,6 @@ def main():
     if args.profile:
         try:
             profile_split(ours_chunk)
-            intra_variant_ab(bw)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     rec("ours_done_s", round(time.time() - T_START, 1))
@@ -247,11 +234,6 @@ def main():
         sp = g("fla_fwdbwd_ms") / g("ours_fwdbwd_ms")
         print(f"| {tag} | {g('floor_fwd_ms')} | {g('ours_fwd_ms')} | {g('fla_fwd_ms')} | {g('floor_fwdbwd_ms')} | "
               f"{g('ours_fwdbwd_ms')} | {g('fla_fwdbwd_ms')} | {sp:.2f}x | {g('ours_saved_MB')} | {g('fla_saved_MB')} |")
-    ptag = "x".join(map(str, PROFILE_SHAPE))
-    if f"ours_blocks_fwd_ms_{ptag}" in res:
-        print(f"\nGDN2_INTRA=blocks at {ptag}: forward {res[f'ours_blocks_fwd_ms_{ptag}']} ms, forward + backward "
-              f"{res.get(f'ours_blocks_fwdbwd_ms_{ptag}')} ms (default: {res.get(f'ours_fwd_ms_{ptag}')} / "
-              f"{res.get(f'ours_fwdbwd_ms_{ptag}')} ms)")
     print("\n| decode (T=1, H=16) | floor us | ours us | ours in-place us | fla us |\n|---|---|---|---|---|")
     for Bd in (1, 64, 256):
         print(f"| batch {Bd} | {res.get(f'floor_decode_us_B{Bd}')} | {res.get(f'ours_decode_us_B{Bd}')} | "

@@ -44,13 +44,6 @@ SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
         cfg(1, BK=32, BV=64), cfg(1, BK=16, BV=64), cfg(1, BK=64, BV=64), cfg(1, 2, BK=32, BV=64),
         cfg(1, BK=32, BV=32), cfg(2, BK=16, BV=32)]),
-    "intra_blocks": (fwd_mod, "gdn2_intra_blocks_kernel", [
-        cfg(1, BK=32), cfg(1, BK=64), cfg(2, BK=32), cfg(1, BK=16), cfg(4, BK=64)]),
-    "intra_solve": (fwd_mod, "gdn2_intra_solve_kernel", [
-        cfg(4, BK=64, BV=64), cfg(4, BK=32, BV=32), cfg(8, BK=64, BV=64), cfg(2, BK=32, BV=32),
-        cfg(4, BK=128, BV=128)]),
-    "bwd_intra_blocks": (bwd_mod, "gdn2_bwd_intra_blocks_kernel", [
-        cfg(1, BK=32), cfg(1, BK=64), cfg(2, BK=32), cfg(1, BK=16)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
         cfg(1, BK=32), cfg(2, BK=16), cfg(1, BK=64), cfg(1, BK=16), cfg(2, BK=32)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
@@ -94,8 +87,6 @@ def main():
 
     for short in args.kernels.split(","):
         mod, attr, configs = SWEEPS[short]
-        # the block-parallel intra kernels only run with GDN2_INTRA=blocks
-        os.environ["GDN2_INTRA"] = "blocks" if "blocks" in short or short == "intra_solve" else "chunk"
         kern = getattr(mod, attr)
         saved = (kern.configs, kern.direct, kern.pick)
         ref = None
@@ -133,7 +124,6 @@ def main():
         if ok:
             best = min(ok)
             print(f"BEST {best[1]}: {best[0]:.3f} ms", flush=True)
-    os.environ.pop("GDN2_INTRA", None)
     print(f"total {time.time() - t0:.0f} s")
 
 

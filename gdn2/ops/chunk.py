@@ -11,23 +11,16 @@ The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_blocks_kernel, gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel,
-                                     gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel)
-from gdn2.ops.gdn2_chunk_fwd import (gdn2_fwd_scan_kernel, gdn2_intra_blocks_kernel, gdn2_intra_kernel,
-                                     gdn2_intra_solve_kernel)
+from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
+                                     gdn2_bwd_wy_kernel)
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
-
-
-def _block_parallel_intra() -> bool:
-    # GDN2_INTRA=blocks: the block-parallel intra-chunk forward (same results), read per call
-    return os.environ.get("GDN2_INTRA", "chunk") == "blocks"
 
 
 def _size_bucket(n: int) -> int:
@@ -48,20 +41,10 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
     u = torch.empty(TT, H, V, device=dev, dtype=dt) if store_u else v
     gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
     cu, info, _ = lay.kernel_args(gcl)
-    if _block_parallel_intra():
-        tmat = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32)
-        gdn2_intra_blocks_kernel[(lay.NC, H, 10)](
-            q, k, g, b, aqk, tmat, y, kt, qg, gcl, cu, info, scale, lay.T, lay.NT,
-            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-        gdn2_intra_solve_kernel[(lay.NC, H)](
-            tmat, v, w, amat, y, u, cu, info, lay.T, lay.NT, int(store_u),
-            H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
-            DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-    else:
-        gdn2_intra_kernel[(lay.NC, H)](
-            q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT, int(store_u),
-            H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
-            DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+    gdn2_intra_kernel[(lay.NC, H)](
+        q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT, int(store_u),
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
+        DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
     return aqk, amat, y, (u if store_u else None), kt, qg, gcl
 
 
@@ -123,14 +106,9 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     dqi = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     dbki = torch.empty_like(dqi)
     dki = torch.empty_like(dqi)
-    if _block_parallel_intra():
-        gdn2_bwd_intra_blocks_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H, 2 * CHUNK // SUB)](
-            q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
-            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
-    else:
-        gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-            q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
-            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+        q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
+        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
     del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)

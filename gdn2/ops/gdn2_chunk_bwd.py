@@ -24,8 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import (BLOCK_PROGRAM_CONFIGS, LOG2E, anchored_sub_chunk, chain_anchor, load_sub_chunk,
-                                     scan_config)
+from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config
 from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
                                         seq_bounds, store_rows, tuned)
 
@@ -342,58 +341,6 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
     store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
     store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
-
-
-@tuned(BLOCK_PROGRAM_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
-@triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_intra_blocks_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info, T, NT,
-                                 H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                                 DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                                 BK: tl.constexpr):
-    """``gdn2_bwd_intra_kernel`` split by sub-chunk (GDN2_INTRA=blocks; grid: chunks * key blocks,
-    heads, 8): programs 0-3 write the row side of sub-chunk i (dqi, dbki: its diagonal block and the
-    blocks (i, j < i)), programs 4-7 the column side of sub-chunk j (dki: its diagonal block and the
-    blocks (i > j, j)). No program walks the whole four-sub-chunk chain and none needs atomics."""
-    # (Triton 3.6 types a name across an if: no `_` may be bound both here and in the branches)
-    i_c, i_h, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
-    p = tl.program_id(2)
-    o_c = tl.arange(0, BC)
-    dt = q.dtype.element_ty
-    zero_k = tl.zeros([BK], dtype=tl.float32)
-    if p < 4:
-        i = p
-        a_i = chain_anchor(g, base, 0, i, zero_k, o_c, o_k, L, H, K, BC)
-        qf_i, bf_i, _, f_i, _, _, _, b_dq, b_dbk, _ = grad_sub_chunk(
-            q, k, b, g, daqk, dtm, base, row0, i, a_i, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
-        a = zero_k
-        for j in range(0, i):
-            b_Gj, e_j = anchored_sub_chunk(g, base, j, a, o_c, o_k, L, H, K, BC)
-            h_j = tl.exp2(e_j[None, :] - b_Gj)
-            kh_j = load_rows(k, base, j * BC + o_c, o_k, L, H, K) * h_j
-            x_q, x_b, _ = offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, tl.exp2(a_i - e_j),
-                                       o_c, L, H, dt, DOT_PREC, BT, BC)
-            b_dq += x_q
-            b_dbk += x_b
-            a = e_j
-        store_rows(dqi, base, i * BC + o_c, o_k, L, b_dq, H, K)
-        store_rows(dbki, base, i * BC + o_c, o_k, L, b_dbk, H, K)
-    else:
-        j = p - 4
-        a_j = chain_anchor(g, base, 0, j, zero_k, o_c, o_k, L, H, K, BC)
-        _, _, kh_j, _, h_j, _, e_j, _, _, b_dk = grad_sub_chunk(
-            q, k, b, g, daqk, dtm, base, row0, j, a_j, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
-        a = e_j
-        for i in range(j + 1, BT // BC):
-            b_Gi, e_i = anchored_sub_chunk(g, base, i, a, o_c, o_k, L, H, K, BC)
-            f_i = tl.exp2(b_Gi - a[None, :])
-            rows_i = i * BC + o_c
-            qf_i = load_rows(q, base, rows_i, o_k, L, H, K) * f_i
-            bf_i = load_rows(b, base, rows_i, o_k, L, H, K) * load_rows(k, base, rows_i, o_k, L, H, K) * f_i
-            _, _, x_k = offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, tl.exp2(a - e_j),
-                                     o_c, L, H, dt, DOT_PREC, BT, BC)
-            b_dk += x_k
-            a = e_i
-        store_rows(dki, base, j * BC + o_c, o_k, L, b_dk, H, K)
 
 
 # pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 64 / BV 64 / 8 warps 1.87 ms,

@@ -31,8 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_block, load_rows,
-                                        row_of, seq_bounds, store_rows, tuned)
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, row_of,
+                                        seq_bounds, store_rows, tuned)
 
 
 @triton.jit
@@ -99,6 +99,22 @@ def intra_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.con
     d_qk = tl.dot(b_q * b_fm, b_kd, input_precision=DOT_PREC)
     d_t = tl.dot(b_bk * b_fm, b_kd, input_precision=DOT_PREC)
     return b_q * b_f, b_bk * b_f, b_k * b_h, e, d_qk, d_t, fast.to(tl.int32)
+
+
+@triton.jit
+def anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """G of sub-chunk ``n`` (runtime index) from the anchor ``a`` before it: a + cumsum(g*log2 e),
+    the same sub-chunk cumsum as ``load_sub_chunk``, and its last row."""
+    b_G = a[None, :] + tl.cumsum(load_rows(g, base, n * BC + o_c, o_k, L, H, K) * LOG2E, axis=0)
+    return b_G, row_of(b_G, BC - 1, BC)
+
+
+@triton.jit
+def chain_anchor(g, base, first, last, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """The anchor after sub-chunks first..last-1, starting from ``a`` before ``first``."""
+    for n in range(first, last):
+        _, a = anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H, K, BC)
+    return a
 
 
 @triton.jit
@@ -357,139 +373,6 @@ def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u
             b_w = tl.load(w + offs, mask=msk, other=0.0).to(tl.float32)
             b_u = tl.dot(b_a, (b_v * b_w).to(dt), input_precision=DOT_PREC)
             tl.store(u + offs, b_u.to(u.dtype.element_ty), mask=msk)
-
-
-# --------------------------------------------------------------------------------------------------
-# Block-parallel variant of the intra-chunk forward (GDN2_INTRA=blocks): one program per (chunk, head,
-# lower block pair) builds that 16x16 block of Aqk and T, so no program walks the four-sub-chunk
-# chain; a second kernel inverts I + T and applies A. Same anchors and fast / exact diagonal paths.
-# --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """G of sub-chunk ``n`` (runtime index) from the anchor ``a`` before it: a + cumsum(g*log2 e),
-    the same sub-chunk cumsum as ``load_sub_chunk``, and its last row."""
-    b_G = a[None, :] + tl.cumsum(load_rows(g, base, n * BC + o_c, o_k, L, H, K) * LOG2E, axis=0)
-    return b_G, row_of(b_G, BC - 1, BC)
-
-
-@triton.jit
-def chain_anchor(g, base, first, last, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """The anchor after sub-chunks first..last-1, starting from ``a`` before ``first``."""
-    for n in range(first, last):
-        _, a = anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H, K, BC)
-    return a
-
-
-# the block-parallel kernels of both directions (GDN2_INTRA=blocks); pinned first, not yet swept
-BLOCK_PROGRAM_CONFIGS = [
-    triton.Config({"BK": 32}, num_warps=1, num_stages=1),
-    triton.Config({"BK": 64}, num_warps=1, num_stages=1),
-    triton.Config({"BK": 32}, num_warps=2, num_stages=1),
-]
-
-
-@tuned(BLOCK_PROGRAM_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
-@triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_intra_blocks_kernel(q, k, g, b, aqk, tmat, y, kt, qg, gcl, cu, chunk_info, scale, T, NT,
-                             H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Block (i, j), j <= i, of one chunk and head (grid: chunks, heads, 10 block pairs): Aqk (scaled,
-    masked) into aqk, T (fp32, strictly lower) into tmat [TT, H, 64]; diagonal programs also zero the
-    blocks right of the diagonal and write sub-chunk i's Qg, Eb (parked in y), Kt rows, and program
-    (0, 0) writes exp2(G_C). ``gdn2_intra_solve_kernel`` completes A, Y and U."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    p = tl.program_id(2)
-    i = (p >= 1).to(tl.int32) + (p >= 3).to(tl.int32) + (p >= 6).to(tl.int32)
-    j = p - i * (i + 1) // 2
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    row0 = t0.to(tl.int64) * H + i_h
-    base = row0 * K
-    o_c = tl.arange(0, BC)
-    dt = q.dtype.element_ty
-    rows_i = i * BC + o_c
-    acc_a = tl.zeros([BC, BC], dtype=tl.float32)
-    acc_t = tl.zeros([BC, BC], dtype=tl.float32)
-    slow = 0
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        zero_k = tl.zeros([BK], dtype=tl.float32)
-        a_j = chain_anchor(g, base, 0, j, zero_k, o_c, o_k, L, H, K, BC)
-        b_Gj, e_j = anchored_sub_chunk(g, base, j, a_j, o_c, o_k, L, H, K, BC)
-        b_q = load_rows(q, base, rows_i, o_k, L, H, K)
-        b_k = load_rows(k, base, rows_i, o_k, L, H, K)
-        b_bk = load_rows(b, base, rows_i, o_k, L, H, K) * b_k
-        if i == j:
-            m = row_of(b_Gj, BC // 2 - 1, BC)
-            fast = tl.max(tl.maximum(a_j - m, m - e_j), axis=0) <= FAST_SPAN
-            slow = slow | (1 - fast.to(tl.int32))
-            b_fm = tl.exp2(tl.minimum(b_Gj - m[None, :], FAST_SPAN))
-            b_kd = tl.trans(b_k * tl.exp2(tl.minimum(m[None, :] - b_Gj, FAST_SPAN)))
-            acc_a += tl.dot(b_q * b_fm, b_kd, input_precision=DOT_PREC)
-            acc_t += tl.dot(b_bk * b_fm, b_kd, input_precision=DOT_PREC)
-            # the chunk-level operands of sub-chunk i: Qg = q gamma, Eb = b k gamma, Kt = k gamma_C / gamma
-            g_c = chain_anchor(g, base, i + 1, BT // BC, e_j, o_c, o_k, L, H, K, BC)
-            gam = tl.exp2(b_Gj)
-            store_rows(qg, base, rows_i, o_k, L, b_q * gam, H, K)
-            store_rows(y, base, rows_i, o_k, L, b_bk * gam, H, K)
-            store_rows(kt, base, rows_i, o_k, L, b_k * exp2_nonpos(g_c[None, :] - b_Gj), H, K)
-            if i == 0:
-                tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(g_c), mask=o_k < K)
-        else:
-            a_i = chain_anchor(g, base, j + 1, i, e_j, o_c, o_k, L, H, K, BC)
-            b_Gi, _ = anchored_sub_chunk(g, base, i, a_i, o_c, o_k, L, H, K, BC)
-            f_i = tl.exp2(b_Gi - a_i[None, :])
-            b_kj = load_rows(k, base, j * BC + o_c, o_k, L, H, K)
-            x_k = tl.trans((b_kj * tl.exp2(e_j[None, :] - b_Gj) * tl.exp2(a_i - e_j)[None, :]).to(dt))
-            acc_a += tl.dot((b_q * f_i).to(dt), x_k, input_precision=DOT_PREC)
-            acc_t += tl.dot((b_bk * f_i).to(dt), x_k, input_precision=DOT_PREC)
-    if slow != 0:
-        # steep sub-chunk: the exact column-by-column diagonal replaces the anchored one
-        acc_a, acc_t = exact_diag(q, k, b, g, base, i, o_c, L, H, K, BC, BK)
-    keep_a = (o_c[:, None] >= o_c[None, :]) | (i != j)
-    keep_t = (o_c[:, None] > o_c[None, :]) | (i != j)
-    m_r = (rows_i < L)[:, None]
-    p_blk = row0 * BT + (rows_i[:, None] * (H * BT) + (j * BC + o_c)[None, :])
-    tl.store(aqk + p_blk, tl.where(keep_a, acc_a * scale, 0.0).to(aqk.dtype.element_ty), mask=m_r)
-    tl.store(tmat + p_blk, tl.where(keep_t, acc_t, 0.0), mask=m_r)
-    if i == j:
-        zero = tl.zeros([BC, BC], dtype=tl.float32).to(aqk.dtype.element_ty)
-        for jj in range(i + 1, BT // BC):
-            tl.store(aqk + row0 * BT + (rows_i[:, None] * (H * BT) + (jj * BC + o_c)[None, :]), zero, mask=m_r)
-
-
-_INTRA_SOLVE_CONFIGS = [
-    triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=1),
-    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=1),
-    triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=1),
-]
-
-
-@tuned(_INTRA_SOLVE_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
-@triton.jit(do_not_specialize=["T", "NT", "store_u"])
-def gdn2_intra_solve_kernel(tmat, v, w, amat, y, u, cu, chunk_info, T, NT, store_u,
-                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                            VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                            BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head: A = (I + T)^-1 from the blocks of ``gdn2_intra_blocks_kernel``, then Y and U
-    (see ``solve_and_apply``)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
-    row0 = t0.to(tl.int64) * H + i_h
-    o_c = tl.arange(0, BC)
-    solve_and_apply(load_block(tmat, row0, 0, 0, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 1, 0, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 1, 1, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 2, 0, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 2, 1, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 2, 2, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 3, 0, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 3, 1, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 3, 2, o_c, L, H, BT, BC, False),
-                    load_block(tmat, row0, 3, 3, o_c, L, H, BT, BC, False),
-                    amat, y, u, v, w, row0, row0 * K, L, store_u, H, K, V, DOT_PREC, BT, BC, BK, BV)
 
 
 _SCAN_CONFIGS = [

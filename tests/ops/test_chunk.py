@@ -157,27 +157,6 @@ def test_steep_gates_anchored_and_exact_diagonal_paths():
     check(got, oracle(ins, h0, do, dht, cu, False), torch.float32)
 
 
-@pytest.mark.parametrize("case", [
-    (1, 64, 1, 64, 64, True, True, None, False),
-    (1, 130, 2, 16, 16, True, True, [0, 15, 100, 130], True),
-    (2, 100, 2, 32, 16, False, True, None, False),
-], ids=_id)
-def test_block_parallel_intra_matches_recurrence(case, monkeypatch):
-    """GDN2_INTRA=blocks: one program per lower 16x16 block pair, then a solve kernel, gives the same
-    operator: several key blocks with steep gates, varlen with L2 norm, realistic gates."""
-    monkeypatch.setenv("GDN2_INTRA", "blocks")
-    B, T, H, K, V, harsh, with_h0, cu, l2 = case
-    ins, h0, do, dht, cu_t = make_case(B, T, H, K, V, torch.float32, harsh, with_h0, cu, seed=T + 3 * H)
-    check(ours(ins, h0, do, dht, cu_t, l2), oracle(ins, h0, do, dht, cu_t, l2), torch.float32)
-
-
-def test_block_parallel_intra_steep_gates_and_fp16(monkeypatch):
-    monkeypatch.setenv("GDN2_INTRA", "blocks")
-    test_steep_gates_anchored_and_exact_diagonal_paths()
-    ins, h0, do, dht, cu = make_case(1, 80, 2, 32, 32, torch.float16, True, True, None, seed=5)
-    check(ours(ins, h0, do, dht, cu, False), oracle(ins, h0, do, dht, cu, False), torch.float16)
-
-
 def test_without_final_state_and_frozen_initial_state():
     """output_final_state=False returns None and the backward runs without dS_T; an initial state
     that does not require grad gets no gradient."""
