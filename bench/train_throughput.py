@@ -12,6 +12,11 @@ with and without activation checkpointing: one child process per trial (so an ou
 on any rank ends only that trial), doubling the micro-batch until a trial fails, then bisecting. Each
 trial runs the trainer's own optimizer step (``gdn2.train.loop.train_step``) on random tokens.
 
+Phase ``profile`` runs one such trial (``--trainer-micro-batch``, default the config's) and profiles
+one more optimizer step with torch.profiler: CUDA time per kernel, summed into GEMMs, the GDN-2
+operator, attention, optimizer, communication and everything else (elementwise, norms, copies), so
+that the time the step spends outside the kernels we own is visible.
+
 Prints a table and writes ``train_throughput_<config>_<gpus>gpu.json`` to ``--out`` (default ``$OUT``
 or ``bench_out``). Stops starting new trials once ``--time-budget`` seconds have passed.
 """
@@ -80,6 +85,9 @@ def run_trial(args: argparse.Namespace) -> None:
             sync()
             times.append(time.perf_counter() - t0)
         step_time = statistics.median(times)
+        if args.profile:
+            result["profile"] = profile_step(lambda: train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0,
+                                                                recipe.train.loss_chunk_tokens), sync, cuda)
         tps = plan.micro_batch_size * plan.block_size / step_time
         device_name = torch.cuda.get_device_name(fabric.device) if cuda else "cpu"
         mfu = model_flops_utilization(flops_per_token(recipe.model, plan.block_size), tps, peak_bf16_flops(device_name))
@@ -98,6 +106,50 @@ def run_trial(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(result))
 
 
+# kernel-name fragments of each category (first match wins; lower case)
+CATEGORIES = [
+    ("GDN-2 operator", ("gdn2_", "l2norm")),
+    ("attention", ("_swa_", "_bwd_delta", "attn", "fmha", "flash")),
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("communication", ("nccl",)),
+]
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for cat, frags in CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other (elementwise, norms, copies, loss)"
+
+
+def profile_step(step, sync, cuda: bool) -> dict:
+    """Time of one ``step()`` by kernel and by category (ms), from torch.profiler: CUDA kernels, or
+    CPU operators' self time without a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    kernels: dict[str, list] = {}
+    for e in prof.key_averages():
+        us = ((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda
+              else e.self_cpu_time_total)
+        if us > 0:
+            k = kernels.setdefault(e.key, [0.0, 0])
+            k[0] += us / 1e3
+            k[1] += e.count
+    categories: dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        cat = kernel_category(name)
+        categories[cat] = categories.get(cat, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]
+    return {"total_ms": sum(categories.values()),
+            "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "ms": ms, "launches": c} for n, (ms, c) in top]}
+
+
 # --------------------------------------------------------------------------------------------------
 # driver
 # --------------------------------------------------------------------------------------------------
@@ -107,12 +159,13 @@ def torchrun(gpus: int, script: Path, args: list[str]) -> list[str]:
             str(script), *args]
 
 
-def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path) -> dict:
+def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bool = False) -> dict:
     result = workdir / f"trial_mb{mb}_ac{int(ac)}.json"
     cmd = torchrun(cfg.gpus, Path(__file__), ["--trial", "--config", cfg.config, "--micro-batch", str(mb),
                                              "--ac", str(ac), "--steps", str(cfg.trial_steps),
                                              "--warmup-steps", str(cfg.warmup_steps), "--result", str(result)]
-                   + (["--seq-len", str(cfg.seq_len)] if cfg.seq_len else []))
+                   + (["--seq-len", str(cfg.seq_len)] if cfg.seq_len else [])
+                   + (["--profile"] if profile else []))
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.trial_timeout)
@@ -249,7 +302,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="swa_gdn2_1.3B")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on this machine to use (default: all)")
-    p.add_argument("--phase", choices=("all", "trainer", "search"), default="all")
+    p.add_argument("--phase", choices=("all", "trainer", "search", "profile"), default="all",
+                   help="all = trainer + search; profile: one trial's step split by kernel category")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default: the config's block size)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"))
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; no new trial starts after that")
@@ -272,6 +326,7 @@ def main() -> None:
     p.add_argument("--ac", type=lambda s: s.lower() == "true", default=False, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trial:
         run_trial(args)
@@ -301,6 +356,24 @@ def main() -> None:
             ("with" if ac else "without") + "_activation_checkpointing":
                 max((t["micro_batch"] for t in trials if t.get("ok") and t["activation_checkpointing"] == ac), default=None)
             for ac in (False, True)}
+    if args.phase == "profile":
+        mb = args.trainer_micro_batch or 0
+        if not mb:
+            from gdn2.train.recipe import load_recipe
+            mb = load_recipe(args.config, {}, out_dir=str(workdir)).train.micro_batch_size
+        print(f"[profile] one optimizer step of {args.config}, micro-batch {mb}, AC {args.trainer_ac}", flush=True)
+        report["profile_trial"] = r = trial(args, mb, args.trainer_ac, workdir, profile=True)
+        if r.get("ok"):
+            prof = r["profile"]
+            print(f"\nkernel time of one step: {prof['total_ms']:.1f} ms (wall {r['step_time_s'] * 1e3:.1f} ms)")
+            print("| category | ms | share |\n|---|---|---|")
+            for cat, ms in prof["categories_ms"].items():
+                print(f"| {cat} | {ms:.1f} | {ms / max(prof['total_ms'], 1e-9):.1%} |")
+            print("\ntop kernels (ms per step, launches):")
+            for k in prof["top_kernels"][:30]:
+                print(f"  {k['ms']:8.2f} {k['launches']:5d}  [{kernel_category(k['name'])[:9]}] {k['name'][:110]}")
+        else:
+            print(f"profile trial failed: {r.get('error')}")
     report["wall_s"] = round(time.time() - started, 1)
 
     print(f"\n{args.config}, {args.gpus} x {report['device']}")

@@ -18,6 +18,7 @@ from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention, rope_tables
 from gdn2.layers.decoding import DecodeContext, optimizer_step_count
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache, GDN2DecodeWeights
+from gdn2.layers.fused import swiglu
 from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.packed import PackedPrompts
 
@@ -37,7 +38,7 @@ class MLP(nn.Module):
         self.w3 = Linear(i, d, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+        return self.w3(swiglu(self.w1(x), self.w2(x)))
 
     @torch.no_grad()
     def decode_weights(self) -> torch.Tensor:
@@ -69,8 +70,8 @@ class Block(nn.Module):
             h = self.mixer(h, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc, cache=cache, packed=packed is not None)
         else:
             h = self.mixer(h, positions, cu_seqlens=cu_seqlens, cache=cache, packed=packed)
-        x = x + h
-        return x + self.mlp(self.norm_2(x))
+        x, h = self.norm_2.add_forward(x, h)
+        return x + self.mlp(h)
 
     def decode_step(self, x: Any, ctx: DecodeContext, cache: Union[GDN2Cache, AttentionCache],
                     weights: Optional["BlockDecodeWeights"] = None) -> Any:

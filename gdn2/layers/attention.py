@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from gdn2.config import Config
 from gdn2.layers.decoding import DecodeContext, ring_decode_attention
+from gdn2.layers.fused import apply_rope
 from gdn2.layers.init import Linear
 from gdn2.ops import sliding_window_attention
 from gdn2.ops.reference import sliding_window_attention_reference
@@ -30,15 +31,6 @@ def rope_tables(positions: torch.Tensor, head_size: int, base: float) -> tuple[t
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B,T,H,D]; cos, sin: [T,D]. Rotate-half RoPE computed in fp32, returned in x's dtype."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 @dataclass

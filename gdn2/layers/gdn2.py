@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
+from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates
 from gdn2.layers.init import Linear
 from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2
 
@@ -86,21 +87,13 @@ class ShortConv(nn.Conv1d):
         tail: [B, kernel_size-1, C] inputs preceding x (decoding). Returns (silu(conv(x)), new tail)."""
         B, T, C = x.shape
         ks = self.kernel_size[0]
-        if tail is None:
-            tail = x.new_zeros(B, ks - 1, C)
-        full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, ks-1+T, C]
-        new_tail = full[:, full.shape[1] - (ks - 1):]
-        weight = self.weight.to(x.dtype)  # [C, 1, ks]
-        if pos_in_doc is None:
-            y = F.conv1d(full.transpose(1, 2), weight, groups=C).transpose(1, 2)
+        y = causal_conv_silu(x, self.weight, tail, pos_in_doc)
+        if T >= ks - 1:
+            new_tail = x[:, T - (ks - 1):]
         else:
-            # y_t = sum_j w[ks-1-j] x_{t-j}, dropping terms that reach back before the document start.
-            y = x * weight[:, 0, ks - 1]
-            for j in range(1, ks):
-                shifted = full[:, ks - 1 - j: ks - 1 - j + T]
-                keep = (pos_in_doc >= j).to(x.dtype)[None, :, None]
-                y = y + shifted * keep * weight[:, 0, ks - 1 - j]
-        return F.silu(y), new_tail
+            before = tail.to(x.dtype) if tail is not None else x.new_zeros(B, ks - 1, C)
+            new_tail = torch.cat([before, x], dim=1)[:, T:]
+        return y, new_tail
 
     def step(self, x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """One token per row: x [B,1,C], tail [B, kernel_size-1, C] updated in place. Returns silu(conv) [B,1,C]."""
@@ -134,9 +127,7 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        of = o.float()
-        y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * F.silu(gate.float())).to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet2(nn.Module):
@@ -194,13 +185,8 @@ class GatedDeltaNet2(nn.Module):
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decay g (fp32, <= 0), erase gate b (key axis) and write gate w (value axis) for x [B,T,d]."""
         # decay in fp32: g = -exp(A_log) * softplus(f_proj(x) + dt_bias), per key channel, <= 0
-        g = -self.A_log.float().exp().repeat_interleave(self.head_k_dim) * F.softplus(
-            self.f_proj(x).float() + self.dt_bias)
-        b = torch.sigmoid(self.b_proj(x))
-        if self.allow_neg_eigval:
-            b = b * 2.0
-        w = torch.sigmoid(self.w_proj(x))
-        return g, b, w
+        return gdn2_gates(self.f_proj(x), self.b_proj(x), self.w_proj(x), self.A_log, self.dt_bias,
+                          self.head_k_dim, 2.0 if self.allow_neg_eigval else 1.0)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[GDN2Cache] = None,

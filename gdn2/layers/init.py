@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from gdn2.layers.fused import add_rms_norm, rms_norm
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` with a declared init: ``normal`` (std) or ``xavier`` (gain); biases start at zero."""
@@ -63,9 +65,11 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, self(x + delta))`` in one pass (fused when compiled)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

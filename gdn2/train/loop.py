@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from gdn2.data import TrainLoader, ValLoader, find_shards
+from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.train.checkpoint import (list_checkpoints, load_checkpoint, read_checkpoint_config, read_marker,
                                    resolve_resume, rng_state, save_checkpoint, set_rng_state)
@@ -139,6 +140,7 @@ def build_model_and_optimizer(fabric, recipe: Recipe):
     """(model, optimizer, parameter count) set up by Fabric. Under FSDP the model is built on the meta
     device and each rank materialises its own shards through the modules' ``reset_parameters``."""
     fabric.seed_everything(recipe.train.seed, verbose=False)
+    set_compiled(recipe.train.compile and fabric.device.type == "cuda")
     with fabric.init_module(empty_init=is_fsdp(fabric)):
         model = GPT(recipe.model)
     num_params = sum(p.numel() for p in model.parameters())

@@ -42,6 +42,8 @@ class TrainConfig:
     grad_clip: Optional[float] = _opt(1.0, "clip the global gradient norm to this; null: no clipping")
     seed: int = _opt(3407, "seed of the model init and of the data order")
     activation_checkpointing: bool = _opt(False, "recompute each Block's activations in the backward pass")
+    compile: bool = _opt(True, "fuse the model's elementwise stages (norms, gates, short convolutions, "
+                               "SwiGLU, RoPE) with torch.compile; CUDA only")
     max_wall_time: Optional[str] = _opt(None, "save and exit cleanly after this much wall time: seconds, "
                                               "'HH:MM:SS' or 'D-HH:MM:SS'")
     stop_at_step: Optional[int] = _opt(None, "save and exit after this optimizer step; the schedule still "

@@ -1,0 +1,125 @@
+"""The model's elementwise stages as plain tensor functions, compiled into fused kernels on demand.
+
+Each function here is the one definition of its stage (norms, gates, the short convolution, SwiGLU,
+RoPE); the layers call them. Eagerly, each is a handful of PyTorch kernels, several of them fp32 passes
+over activation-sized tensors. With :func:`set_compiled` on (the trainer's ``train.compile``), calls on
+CUDA tensors go through ``torch.compile``'d twins instead: the forward and the backward of each stage
+become one or two fused kernels. The values are the same up to fp32 rounding order.
+
+The compiled twins are made lazily per function; calls made while an outer ``torch.compile`` is
+tracing (the compiled decode step) use the plain function, which the outer compile then fuses itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+_compiled_enabled = False
+
+FnT = TypeVar("FnT", bound=Callable)
+
+
+def set_compiled(enabled: bool) -> None:
+    """Route the stages' calls on CUDA tensors through their ``torch.compile``'d twins (process-wide)."""
+    global _compiled_enabled
+    _compiled_enabled = bool(enabled)
+
+
+def compiled_enabled() -> bool:
+    return _compiled_enabled
+
+
+def fusable(fn: FnT) -> FnT:
+    """``fn`` (tensor arguments first) runs compiled when :func:`set_compiled` is on and its first
+    argument is a CUDA tensor; otherwise as written."""
+    twin: list[Callable] = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _compiled_enabled and args[0].is_cuda and not torch.compiler.is_compiling():
+            if not twin:
+                twin.append(torch.compile(fn))
+            return twin[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    call.eager = fn  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
+
+
+@fusable
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last axis in fp32, returned in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+@fusable
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + delta`` and ``rms_norm(s)``: a residual add and the norm that reads it, one pass."""
+    s = x + delta
+    return s, rms_norm.eager(s, weight, eps)
+
+
+@fusable
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of ``o`` [..., D] times ``silu(gate)``, in fp32, returned in o's dtype."""
+    of = o.float()
+    y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(gate.float())).to(o.dtype)
+
+
+@fusable
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None,
+                     pos_in_doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu`` of the causal depthwise convolution of x [B, T, C] with taps ``weight`` [C, 1, ks]
+    (oldest first), as shifted products summed in fp32: ``y_t = sum_j weight[:, 0, ks-1-j] * x_{t-j}``.
+
+    ``tail`` [B, ks-1, C]: the inputs before x (zeros when None). ``pos_in_doc`` [T]: each token's
+    position inside its document; a tap reaching before the document start contributes nothing."""
+    B, T, C = x.shape
+    ks = weight.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = weight[:, 0, :].to(x.dtype).to(acc)  # [C, ks]; the taps rounded to x's dtype, as a conv in it would
+    full = F.pad(x, (0, 0, ks - 1, 0)) if tail is None else torch.cat([tail.to(x.dtype), x], dim=1)
+    y = x.to(acc) * w[:, ks - 1]
+    for j in range(1, ks):
+        term = full[:, ks - 1 - j: ks - 1 - j + T].to(acc) * w[:, ks - 1 - j]
+        if pos_in_doc is not None:
+            term = term * (pos_in_doc >= j).to(acc)[None, :, None]
+        y = y + term
+    return F.silu(y).to(x.dtype)
+
+
+@fusable
+def gdn2_gates(f: torch.Tensor, b: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               head_k_dim: int, b_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN-2 gates from their projections: decay ``g = -exp(A_log) * softplus(f + dt_bias)`` (fp32,
+    A_log per head repeated over its ``head_k_dim`` key channels), erase gate ``b_scale * sigmoid(b)``
+    and write gate ``sigmoid(w)``."""
+    g = -A_log.float().exp().repeat_interleave(head_k_dim) * F.softplus(f.float() + dt_bias)
+    b = torch.sigmoid(b)
+    if b_scale != 1.0:
+        b = b * b_scale
+    return g, b, torch.sigmoid(w)
+
+
+@fusable
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+@fusable
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B,T,H,D]; cos, sin: [T,D]. Rotate-half RoPE computed in fp32, returned in x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,115 @@
+"""The model's elementwise stages (gdn2/layers/fused.py): right values, and traceable as one graph each.
+
+On the GPU the trainer runs them through torch.compile (``train.compile``); here each stage is traced
+with the ``aot_eager`` backend and ``fullgraph=True``, which fails on a graph break and runs the
+traced forward and backward, so that values and gradients can be compared with the eager function.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn2.layers import fused
+
+
+def _close(a, b, tol):
+    assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+def _conv_reference(x, weight, tail, pos_in_doc):
+    """silu(causal depthwise conv1d) via F.conv1d per document, float64."""
+    B, T, C = x.shape
+    ks = weight.shape[-1]
+    full = torch.cat([tail if tail is not None else x.new_zeros(B, ks - 1, C), x], dim=1).double()
+    if pos_in_doc is not None:  # zero every input that precedes the token's document start
+        out = torch.empty(B, T, C, dtype=torch.float64)
+        for t in range(T):
+            start = t - int(pos_in_doc[t])  # document start in x coordinates
+            window = full[:, t: t + ks].clone()  # inputs x_{t-ks+1} .. x_t
+            for s in range(ks):
+                if t - (ks - 1) + s < start:
+                    window[:, s] = 0
+            out[:, t] = (window * weight[:, 0, :].double().t()[None]).sum(1)
+        return F.silu(out)
+    return F.silu(F.conv1d(full.transpose(1, 2), weight.double(), groups=C).transpose(1, 2))
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+@pytest.mark.parametrize("with_tail", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_conv_silu_is_the_causal_depthwise_conv(T, with_tail, masked):
+    torch.manual_seed(T)
+    B, C, ks = 2, 6, 4
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    weight = torch.randn(C, 1, ks, dtype=torch.float64)
+    tail = torch.randn(B, ks - 1, C, dtype=torch.float64) if with_tail else None
+    pos = None
+    if masked:  # documents of lengths 2, 3, ... restarting inside x
+        pos = torch.tensor([t % 3 if t < 5 else t - 5 for t in range(T)])
+    got = fused.causal_conv_silu(x, weight, tail, pos)
+    _close(got, _conv_reference(x, weight, tail, pos), 1e-12)
+
+
+def _stage_cases():
+    torch.manual_seed(0)
+    B, T, H, D, C = 2, 5, 3, 8, 24
+    f32 = dict(dtype=torch.float32)
+    return {
+        "rms_norm": (fused.rms_norm, [torch.randn(B, T, C, **f32), torch.rand(C, **f32) + 0.5], [1e-5]),
+        "add_rms_norm": (fused.add_rms_norm, [torch.randn(B, T, C, **f32), torch.randn(B, T, C, **f32),
+                                              torch.rand(C, **f32) + 0.5], [1e-5]),
+        "gated_rms_norm": (fused.gated_rms_norm, [torch.randn(B, T, H, D, **f32), torch.randn(B, T, H, D, **f32),
+                                                  torch.rand(D, **f32) + 0.5], [1e-5]),
+        "causal_conv_silu": (fused.causal_conv_silu, [torch.randn(B, T, C, **f32), torch.randn(C, 1, 4, **f32)], []),
+        "gdn2_gates": (fused.gdn2_gates, [torch.randn(B, T, H * D, **f32), torch.randn(B, T, H * D, **f32),
+                                          torch.randn(B, T, H * D, **f32), torch.randn(H, **f32),
+                                          torch.randn(H * D, **f32)], [D, 2.0]),
+        "swiglu": (fused.swiglu, [torch.randn(B, T, C, **f32), torch.randn(B, T, C, **f32)], []),
+        "apply_rope": (fused.apply_rope, [torch.randn(B, T, H, D, **f32), torch.randn(T, D, **f32),
+                                          torch.randn(T, D, **f32)], []),
+    }
+
+
+@pytest.mark.parametrize("name", list(_stage_cases()))
+def test_stage_traces_as_one_graph_with_the_same_values_and_gradients(name):
+    fn, tensors, consts = _stage_cases()[name]
+    eager_in = [t.clone().requires_grad_(True) for t in tensors]
+    traced_in = [t.clone().requires_grad_(True) for t in tensors]
+    torch._dynamo.reset()
+    traced = torch.compile(fn.eager, backend="aot_eager", fullgraph=True)
+    outs_e = fn.eager(*eager_in, *consts)
+    outs_t = traced(*traced_in, *consts)
+    outs_e = outs_e if isinstance(outs_e, tuple) else (outs_e,)
+    outs_t = outs_t if isinstance(outs_t, tuple) else (outs_t,)
+    torch.manual_seed(1)
+    weights = [torch.randn_like(o) for o in outs_e]
+    sum((o * w).sum() for o, w in zip(outs_e, weights)).backward()
+    sum((o * w).sum() for o, w in zip(outs_t, weights)).backward()
+    for a, b in zip(outs_t, outs_e):
+        _close(a, b, 1e-6)
+    for a, b in zip(traced_in, eager_in):
+        assert b.grad is not None, f"{name}: no gradient reaches an input"
+        _close(a.grad, b.grad, 1e-5)
+
+
+def test_add_rms_norm_is_the_residual_add_then_the_norm():
+    torch.manual_seed(2)
+    x, d, w = torch.randn(3, 4, 16), torch.randn(3, 4, 16), torch.rand(16) + 0.5
+    s, n = fused.add_rms_norm(x, d, w, 1e-5)
+    torch.testing.assert_close(s, x + d)
+    ref = (x + d) / ((x + d).square().mean(-1, keepdim=True) + 1e-5).sqrt() * w
+    torch.testing.assert_close(n, ref)
+
+
+def test_switch_leaves_cpu_calls_eager():
+    captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    fused.set_compiled(True)
+    try:
+        x = torch.randn(2, 3, 8)
+        torch.testing.assert_close(fused.swiglu(x, x), F.silu(x) * x)
+    finally:
+        fused.set_compiled(False)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == captured
+    assert not fused.compiled_enabled()
