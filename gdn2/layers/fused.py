@@ -7,7 +7,9 @@ CUDA tensors go through ``torch.compile``'d twins instead: the forward and the b
 become one or two fused kernels. The values are the same up to fp32 rounding order.
 
 The compiled twins are made lazily per function; calls made while an outer ``torch.compile`` is
-tracing (the compiled decode step) use the plain function, which the outer compile then fuses itself.
+tracing (the compiled decode step) use the plain function, which the outer compile then fuses itself,
+and so do calls during a CUDA graph capture (a first compile there would launch its autotuning runs
+into the graph).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def fusable(fn: FnT) -> FnT:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _compiled_enabled and args[0].is_cuda and not torch.compiler.is_compiling():
+        if (_compiled_enabled and args[0].is_cuda and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing()):
             if not twin:
                 twin.append(torch.compile(fn))
             return twin[0](*args, **kwargs)
