@@ -21,14 +21,20 @@ import torch
 import torch.nn.functional as F
 
 _compiled_enabled = False
+_devices: tuple[str, ...] = ("cuda",)
+_backend = "inductor"
+_twins: dict[Callable, Callable] = {}  # plain function -> its compiled twin, made on first use
 
 FnT = TypeVar("FnT", bound=Callable)
 
 
-def set_compiled(enabled: bool) -> None:
-    """Route the stages' calls on CUDA tensors through their ``torch.compile``'d twins (process-wide)."""
-    global _compiled_enabled
-    _compiled_enabled = bool(enabled)
+def set_compiled(enabled: bool, devices: tuple[str, ...] = ("cuda",), backend: str = "inductor") -> None:
+    """Route the stages' calls on tensors of ``devices`` through their ``torch.compile``'d twins
+    (process-wide). ``backend`` is torch.compile's (the tests trace on the CPU with ``aot_eager``)."""
+    global _compiled_enabled, _devices, _backend
+    if (devices, backend) != (_devices, _backend):
+        _twins.clear()
+    _compiled_enabled, _devices, _backend = bool(enabled), tuple(devices), backend
 
 
 def compiled_enabled() -> bool:
@@ -37,16 +43,17 @@ def compiled_enabled() -> bool:
 
 def fusable(fn: FnT) -> FnT:
     """``fn`` (tensor arguments first) runs compiled when :func:`set_compiled` is on and its first
-    argument is a CUDA tensor; otherwise as written."""
-    twin: list[Callable] = []
+    argument lives on one of the chosen devices (CUDA by default); otherwise as written."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if (_compiled_enabled and args[0].is_cuda and not torch.compiler.is_compiling()
-                and not torch.cuda.is_current_stream_capturing()):
-            if not twin:
-                twin.append(torch.compile(fn))
-            return twin[0](*args, **kwargs)
+        x = args[0]
+        if (_compiled_enabled and x.device.type in _devices and not torch.compiler.is_compiling()
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            twin = _twins.get(fn)
+            if twin is None:
+                twin = _twins[fn] = torch.compile(fn, backend=_backend)
+            return twin(*args, **kwargs)
         return fn(*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]
