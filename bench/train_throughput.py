@@ -87,7 +87,7 @@ def run_trial(args: argparse.Namespace) -> None:
         step_time = statistics.median(times)
         if args.profile:
             result["profile"] = profile_step(lambda: train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0,
-                                                                recipe.train.loss_chunk_tokens), sync, cuda)
+                                                                recipe.train.loss_chunk_tokens))
         tps = plan.micro_batch_size * plan.block_size / step_time
         device_name = torch.cuda.get_device_name(fabric.device) if cuda else "cpu"
         mfu = model_flops_utilization(flops_per_token(recipe.model, plan.block_size), tps, peak_bf16_flops(device_name))
@@ -124,30 +124,18 @@ def kernel_category(name: str) -> str:
     return "other (elementwise, norms, copies, loss)"
 
 
-def profile_step(step, sync, cuda: bool) -> dict:
-    """Time of one ``step()`` by kernel and by category (ms), from torch.profiler: CUDA kernels, or
-    CPU operators' self time without a GPU."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(step) -> dict:
+    """Time of one ``step()`` by kernel and by category (ms; see ``profiling.kernel_times``)."""
+    from profiling import kernel_times
 
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        step()
-        sync()
-    kernels: dict[str, list] = {}
-    for e in prof.key_averages():
-        us = ((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda
-              else e.self_cpu_time_total)
-        if us > 0:
-            k = kernels.setdefault(e.key, [0.0, 0])
-            k[0] += us / 1e3
-            k[1] += e.count
+    rows = kernel_times(step, reps=1, warm=False)
     categories: dict[str, float] = {}
-    for name, (ms, _) in kernels.items():
+    for name, ms, _ in rows:
         cat = kernel_category(name)
         categories[cat] = categories.get(cat, 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]
     return {"total_ms": sum(categories.values()),
             "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:160], "ms": ms, "launches": c} for n, (ms, c) in top]}
+            "top_kernels": [{"name": n[:160], "ms": ms, "launches": int(c)} for n, ms, c in rows[:40]]}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -106,13 +106,18 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch
     return F.silu(y).to(x.dtype)
 
 
+def decay_rate(A_log: torch.Tensor, head_k_dim: int) -> torch.Tensor:
+    """``-exp(A_log)`` per key channel (fp32): each head's rate repeated over its ``head_k_dim`` channels."""
+    return -A_log.float().exp().repeat_interleave(head_k_dim)
+
+
 @fusable
 def gdn2_gates(f: torch.Tensor, b: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                head_k_dim: int, b_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GDN-2 gates from their projections: decay ``g = -exp(A_log) * softplus(f + dt_bias)`` (fp32,
     A_log per head repeated over its ``head_k_dim`` key channels), erase gate ``b_scale * sigmoid(b)``
     and write gate ``sigmoid(w)``."""
-    g = -A_log.float().exp().repeat_interleave(head_k_dim) * F.softplus(f.float() + dt_bias)
+    g = decay_rate(A_log, head_k_dim) * F.softplus(f.float() + dt_bias)
     b = torch.sigmoid(b)
     if b_scale != 1.0:
         b = b * b_scale

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
-from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates
+from gdn2.layers.fused import causal_conv_silu, decay_rate, gated_rms_norm, gdn2_gates
 from gdn2.layers.init import Linear
 from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2
 
@@ -262,7 +262,7 @@ class GatedDeltaNet2(nn.Module):
         """Fresh copies of this layer's parameters in the layout of :meth:`fused_decode_mix`.
 
         Matrices and conv taps in the dtype of ``q_proj.weight`` (the activations' dtype), the decay
-        rate in fp32 exactly as :meth:`_gates` computes it."""
+        rate in fp32 by the same function as :meth:`_gates` (``decay_rate``)."""
         first = [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0]]
         f1, g1 = self.f_proj[1], self.g_proj[1]
         ref = self.q_proj.weight
@@ -284,8 +284,7 @@ class GatedDeltaNet2(nn.Module):
                                    in_proj.new_zeros(Vd) if g1.bias is None else g1.bias.to(dtype)])
         conv = torch.cat([c.weight[:, 0, :].t() for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)],
                          dim=1).to(dtype).contiguous()
-        decay_rate = -self.A_log.float().exp().repeat_interleave(self.head_k_dim)
-        return GDN2DecodeWeights(in_proj, low_rank, low_rank_bias, conv, decay_rate)
+        return GDN2DecodeWeights(in_proj, low_rank, low_rank_bias, conv, decay_rate(self.A_log, self.head_k_dim))
 
     def fused_decode_mix(self, x: torch.Tensor, cache: GDN2Cache, weights: GDN2DecodeWeights) -> torch.Tensor:
         """:meth:`decode_step` on the fused layout, without the output projection.

@@ -191,22 +191,22 @@ def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.c
 
 
 @triton.jit
-def offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, rho, o_c, L,
+def offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, rho, dq_i, dbk_i, dk_j, o_c, L,
                  H: tl.constexpr, op_dt: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
                  BC: tl.constexpr):
-    """Block (i, j), i > j, of Aqk and T differentiated: (dq_i, d(b*k)_i, dk_j) contributions, with
-    operands in ``op_dt`` (the input dtype, as in the forward). ``rho`` = exp2(a_i - e_j) <= 1 links the
-    two sub-chunks' anchors."""
+    """Block (i, j), i > j, of Aqk and T differentiated: its contributions added to the accumulators
+    (dq_i, d(b*k)_i, dk_j), which it returns, with operands in ``op_dt`` (the input dtype, as in the
+    forward). ``rho`` = exp2(a_i - e_j) <= 1 links the two sub-chunks' anchors."""
     d_a = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
     d_t = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
     x_k = (kh_j * rho[None, :]).to(op_dt)
-    dq = f_i * tl.dot(d_a, x_k, input_precision=DOT_PREC)
-    dbk = f_i * tl.dot(d_t, x_k, input_precision=DOT_PREC)
+    dq_i = dq_i + f_i * tl.dot(d_a, x_k, input_precision=DOT_PREC)
+    dbk_i = dbk_i + f_i * tl.dot(d_t, x_k, input_precision=DOT_PREC)
     d_at = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
     d_tt = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
-    dk = h_j * (tl.dot(d_at, (qf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC)
-                + tl.dot(d_tt, (bf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC))
-    return dq, dbk, dk
+    dk_j = dk_j + h_j * (tl.dot(d_at, (qf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC)
+                         + tl.dot(d_tt, (bf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC))
+    return dq_i, dbk_i, dk_j
 
 
 # pinned first; ptxas (sm_90, triton 3.6, K = V = 128, bf16) spills per thread: BK 64 / BV 32 / 8 warps
@@ -307,37 +307,29 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, o_c, L, H, dt, DOT_PREC, BT, BC)
-    store_rows(dqi, base, BC + o_c, o_k, L, dq1 + x_q, H, K)
-    store_rows(dbki, base, BC + o_c, o_k, L, dbk1 + x_b, H, K)
-    dk0 += x_k
+    dq1, dbk1, dk0 = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, dq1, dbk1, dk0, o_c, L, H, dt,
+                                  DOT_PREC, BT, BC)
+    store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
+    store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
     qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, o_c, L, H, dt, DOT_PREC, BT, BC)
-    dq2 += x_q
-    dbk2 += x_b
-    dk1 += x_k
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), o_c, L, H, dt,
-                                 DOT_PREC, BT, BC)
-    store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2 + x_q, H, K)
-    store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2 + x_b, H, K)
-    dk0 += x_k
+    dq2, dbk2, dk1 = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, dq2, dbk2, dk1, o_c, L, H, dt,
+                                  DOT_PREC, BT, BC)
+    dq2, dbk2, dk0 = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), dq2, dbk2, dk0,
+                                  o_c, L, H, dt, DOT_PREC, BT, BC)
+    store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
+    store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
     qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, o_c, L, H, dt, DOT_PREC, BT, BC)
-    dq3 += x_q
-    dbk3 += x_b
-    dk2 += x_k
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 1, qf3, bf3, kh1, f3, h1, tl.exp2(e2 - e1), o_c, L, H, dt,
-                                 DOT_PREC, BT, BC)
-    dq3 += x_q
-    dbk3 += x_b
-    dk1 += x_k
-    x_q, x_b, x_k = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), o_c, L, H, dt,
-                                 DOT_PREC, BT, BC)
-    store_rows(dqi, base, 3 * BC + o_c, o_k, L, dq3 + x_q, H, K)
-    store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3 + x_b, H, K)
-    store_rows(dki, base, o_c, o_k, L, dk0 + x_k, H, K)
+    dq3, dbk3, dk2 = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, dq3, dbk3, dk2, o_c, L, H, dt,
+                                  DOT_PREC, BT, BC)
+    dq3, dbk3, dk1 = offdiag_grad(daqk, dtm, row0, 3, 1, qf3, bf3, kh1, f3, h1, tl.exp2(e2 - e1), dq3, dbk3, dk1,
+                                  o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq3, dbk3, dk0 = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), dq3, dbk3, dk0,
+                                  o_c, L, H, dt, DOT_PREC, BT, BC)
+    store_rows(dqi, base, 3 * BC + o_c, o_k, L, dq3, H, K)
+    store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3, H, K)
+    store_rows(dki, base, o_c, o_k, L, dk0, H, K)
     store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
     store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
     store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)

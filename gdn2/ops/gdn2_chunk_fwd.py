@@ -157,6 +157,14 @@ def invert4(t0, t1, t2, t3, o_c, BC: tl.constexpr):
 
 
 @triton.jit
+def offdiag_pair(a, t, qf, bf, kh, dt, DOT_PREC: tl.constexpr):
+    """Blocks (i, j < i) of Aqk and T plus one key block's share: ``qF (kH)^T`` and ``bkF (kH)^T``."""
+    x_k = tl.trans(kh.to(dt))
+    return (a + tl.dot(qf.to(dt), x_k, input_precision=DOT_PREC),
+            t + tl.dot(bf.to(dt), x_k, input_precision=DOT_PREC))
+
+
+@triton.jit
 def store_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, x, o_c, L, H: tl.constexpr, BT: tl.constexpr,
                 BC: tl.constexpr):
     """Block (i, j) of a token-major [TT, H, BT] chunk matrix; rows at or past L are not written."""
@@ -241,36 +249,24 @@ def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_
         slow1 = slow1 | (1 - f_ok)
         store_rows(qg, base, BC + o_c, o_k, L, qf1 * tl.exp2(e0)[None, :], H, K)
         store_rows(y, base, BC + o_c, o_k, L, bf1 * tl.exp2(e0)[None, :], H, K)
-        x_k = tl.trans(kh0.to(dt))
-        a10 += tl.dot(qf1.to(dt), x_k, input_precision=DOT_PREC)
-        t10 += tl.dot(bf1.to(dt), x_k, input_precision=DOT_PREC)
+        a10, t10 = offdiag_pair(a10, t10, qf1, bf1, kh0, dt, DOT_PREC)
         qf2, bf2, kh2, e2, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BC)
         a22 += d_qk
         t22 += d_t
         slow2 = slow2 | (1 - f_ok)
         store_rows(qg, base, 2 * BC + o_c, o_k, L, qf2 * tl.exp2(e1)[None, :], H, K)
         store_rows(y, base, 2 * BC + o_c, o_k, L, bf2 * tl.exp2(e1)[None, :], H, K)
-        x_k = tl.trans(kh1.to(dt))
-        a21 += tl.dot(qf2.to(dt), x_k, input_precision=DOT_PREC)
-        t21 += tl.dot(bf2.to(dt), x_k, input_precision=DOT_PREC)
-        x_k = tl.trans((kh0 * tl.exp2(e1 - e0)[None, :]).to(dt))
-        a20 += tl.dot(qf2.to(dt), x_k, input_precision=DOT_PREC)
-        t20 += tl.dot(bf2.to(dt), x_k, input_precision=DOT_PREC)
+        a21, t21 = offdiag_pair(a21, t21, qf2, bf2, kh1, dt, DOT_PREC)
+        a20, t20 = offdiag_pair(a20, t20, qf2, bf2, kh0 * tl.exp2(e1 - e0)[None, :], dt, DOT_PREC)
         qf3, bf3, kh3, e3, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BC)
         a33 += d_qk
         t33 += d_t
         slow3 = slow3 | (1 - f_ok)
         store_rows(qg, base, 3 * BC + o_c, o_k, L, qf3 * tl.exp2(e2)[None, :], H, K)
         store_rows(y, base, 3 * BC + o_c, o_k, L, bf3 * tl.exp2(e2)[None, :], H, K)
-        x_k = tl.trans(kh2.to(dt))
-        a32 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
-        t32 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
-        x_k = tl.trans((kh1 * tl.exp2(e2 - e1)[None, :]).to(dt))
-        a31 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
-        t31 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
-        x_k = tl.trans((kh0 * tl.exp2(e2 - e0)[None, :]).to(dt))
-        a30 += tl.dot(qf3.to(dt), x_k, input_precision=DOT_PREC)
-        t30 += tl.dot(bf3.to(dt), x_k, input_precision=DOT_PREC)
+        a32, t32 = offdiag_pair(a32, t32, qf3, bf3, kh2, dt, DOT_PREC)
+        a31, t31 = offdiag_pair(a31, t31, qf3, bf3, kh1 * tl.exp2(e2 - e1)[None, :], dt, DOT_PREC)
+        a30, t30 = offdiag_pair(a30, t30, qf3, bf3, kh0 * tl.exp2(e2 - e0)[None, :], dt, DOT_PREC)
 
         store_rows(kt, base, o_c, o_k, L, kh0 * tl.exp2(e3 - e0)[None, :], H, K)
         store_rows(kt, base, BC + o_c, o_k, L, kh1 * tl.exp2(e3 - e1)[None, :], H, K)

@@ -699,6 +699,14 @@ def _tma_usable(want: bool, D: int, block_d: int, *tensors: torch.Tensor) -> boo
     return all(t.data_ptr() % 16 == 0 and (t.shape[2] * D * t.element_size()) % 16 == 0 for t in tensors)
 
 
+def _defaults(q: torch.Tensor, scale: Optional[float], config, backward: bool):
+    """(scale, launch config, BLOCK_D) of one call: 1/sqrt(D) when ``scale`` is None, the default tiles
+    of q's head dim, device and dtype (the backward's when ``backward``) when ``config`` is None."""
+    D = q.shape[-1]
+    cfg = config or default_configs(D, q.device, q.dtype)[1 if backward else 0]
+    return (D ** -0.5 if scale is None else scale), cfg, max(16, triton.next_power_of_2(D))
+
+
 def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
                 scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None, *,
                 config: Optional[FwdConfig] = None,
@@ -713,15 +721,12 @@ def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optio
     _check(q, k, v, window, cu_seqlens, scale)
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    if scale is None:
-        scale = D ** -0.5
-    cfg = config or default_configs(D, q.device, q.dtype)[0]
+    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=False)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
-    BLOCK_D = max(16, triton.next_power_of_2(D))
     grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_m)
     has_window, w = _window_args(window, T)
     if visits is not None and visits.numel() < grid0 * B * H:
@@ -746,10 +751,7 @@ def swa_backward_dq(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     [B,H,T]), which the dk/dv kernel reads. Contiguous inputs of one dtype expected."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    if scale is None:
-        scale = D ** -0.5
-    cfg = config or default_configs(D, q.device, q.dtype)[1]
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
     dq = torch.empty_like(q)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     has_window, w = _window_args(window, T)
@@ -774,10 +776,7 @@ def swa_backward_dkdv(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     layout [B,T,H,D], fp32) into ``dq_acc``. Contiguous inputs of one dtype expected."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    if scale is None:
-        scale = D ** -0.5
-    cfg = config or default_configs(D, q.device, q.dtype)[1]
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     has_window, w = _window_args(window, T)
@@ -807,15 +806,12 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     visited, summed over the query heads of its group.
     """
     B, T, H, D = q.shape
-    if scale is None:
-        scale = D ** -0.5
-    cfg = config or default_configs(D, q.device, q.dtype)[1]
+    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     do = do.to(q.dtype)
     if T == 0:
         return torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
     if cfg.atomic_dq:
-        BLOCK_D = max(16, triton.next_power_of_2(D))
         BLOCK_T = 64
         delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
         _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
