@@ -330,7 +330,8 @@ def table(rows):
 def _kernels():
     from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
     return {"gdn2_intra_kernel": F_.gdn2_intra_kernel,
-            "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel,
+            "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel, "gdn2_state_scan_kernel": F_.gdn2_state_scan_kernel,
+            "gdn2_bwd_prep_kernel": B_.gdn2_bwd_prep_kernel,
             "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
             "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
 
@@ -374,9 +375,9 @@ def _probe_one(job):
         fn = tuned.fn
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
         fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk", "dqi", "dbki", "dki"}
-        ints = {"T", "NT", "SIZE", "store_u"}
+        ints = {"T", "NT", "SIZE"}
         consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False,
-                      SAVE_STATES=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+                      SAVE_R=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
         consts.update(flags)
         consts.update(cfg.kwargs)
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -388,7 +389,7 @@ def _probe_one(job):
                 sig[a] = "i32"
             elif a == "scale":
                 sig[a] = "fp32"
-            elif a in ("cu", "chunk_info", "chunk_off"):
+            elif a in ("cu", "chunk_info", "chunk_off", "steep"):
                 sig[a] = "*i32"
             else:
                 sig[a] = "*fp32" if a in fp32_ptrs else "*" + dt
@@ -413,9 +414,11 @@ def _probe_one(job):
 
 
 # kernel variants compiled by the probe besides each config: (kernel, flags)
-_VARIANTS = [("gdn2_intra_kernel", {}),
-             ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_STATES=False)),
-             ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", {}),
+_VARIANTS = [("gdn2_intra_kernel", dict(EXACT=False)), ("gdn2_intra_kernel", dict(EXACT=True)),
+             ("gdn2_fwd_scan_kernel", dict(SAVE_R=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_R=False)),
+             ("gdn2_state_scan_kernel", {}), ("gdn2_bwd_prep_kernel", {}),
+             ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", dict(EXACT=False)),
+             ("gdn2_bwd_intra_kernel", dict(EXACT=True)),
              ("gdn2_bwd_qkbg_kernel", {})]
 
 

@@ -1,10 +1,12 @@
 """Chunked GDN-2 in Triton: forward, backward and the autograd Function behind ``chunk_gdn2``.
 
 Forward: [L2 norm of q, k] -> ``gdn2_intra_kernel`` (chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the
-state scan, which also writes o). For training the scan saves the state at every chunk start and R,
-so the backward never re-runs the forward scan. Backward: the intra kernel again (recomputing Aqk, A
-and the scan operands is cheaper than storing them) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) ->
-``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (both chunk-parallel) -> [L2 norm backward].
+state scan, which also writes o). For training the forward saves Aqk and A ([TT, H, 64] each, input dtype)
+and R; at K = V = 128 Aqk and A take half the bytes of per-chunk state checkpoints. Backward: ``gdn2_bwd_prep_kernel`` (Qg, Y, Kt from A
+and one cumulative sum: the forward's intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the
+states at every chunk start from R, one product per chunk) -> ``gdn2_bwd_scan_kernel`` (one reverse
+scan) -> ``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (chunk-parallel)
+-> [L2 norm backward].
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
 """
@@ -16,9 +18,9 @@ from typing import Optional
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
-                                     gdn2_bwd_wy_kernel)
-from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel
+from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_prep_kernel, gdn2_bwd_qkbg_kernel,
+                                     gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel)
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_state_scan_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
 
@@ -28,8 +30,8 @@ def _size_bucket(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
-    """Chunk-parallel part: Aqk, A, Y, (U), Kt, Qg, exp2(G_C) (see ``gdn2_intra_kernel``)."""
+def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
+    """Chunk-parallel part: Aqk, A, Y, U, Kt, Qg, exp2(G_C) (see ``gdn2_intra_kernel``)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
@@ -38,44 +40,49 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout, store_u: bool):
     y = torch.empty_like(q)
     kt = torch.empty_like(q)
     qg = torch.empty_like(q)
-    u = torch.empty(TT, H, V, device=dev, dtype=dt) if store_u else v
+    u = torch.empty(TT, H, V, device=dev, dtype=dt)
     gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
+    steep = torch.empty(lay.NC, H, device=dev, dtype=torch.int32)
     cu, info, _ = lay.kernel_args(gcl)
-    gdn2_intra_kernel[(lay.NC, H)](
-        q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, info, scale, lay.T, lay.NT, int(store_u),
-        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen,
-        DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-    return aqk, amat, y, (u if store_u else None), kt, qg, gcl
+    # anchored diagonal blocks everywhere, then the chunks flagged in ``steep`` again with the exact path
+    for exact in (False, True):
+        gdn2_intra_kernel[(lay.NC, H)](
+            q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, info, scale, lay.T, lay.NT,
+            H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, EXACT=exact,
+            DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+    return aqk, amat, y, u, kt, qg, gcl
 
 
 def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay: ChunkLayout,
-                 save_states: bool):
+                 for_backward: bool):
     """Flattened forward. q, k, b, g: [TT, H, K]; v, w: [TT, H, V] (contiguous, q's dtype except g).
 
-    Returns o [TT, H, V], final state (fp32 [N, H, K, V] or None), and when ``save_states`` the state
-    checkpoints [NC, H, K, V] and R [TT, H, V] in q's dtype.
+    Returns o [TT, H, V], the final state (fp32 [N, H, K, V] or None) and, when ``for_backward``, what
+    the backward needs besides the inputs: (Aqk, A, R), [TT, H, 64] / [TT, H, 64] / [TT, H, V] in q's
+    dtype (else None).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    aqk, _, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=True)
+    aqk, amat, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay)
     o = torch.empty(TT, H, V, device=dev, dtype=dt)
     ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
-    hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt) if save_states else None
-    rbuf = torch.empty(TT, H, V, device=dev, dtype=dt) if save_states else None
+    rbuf = torch.empty(TT, H, V, device=dev, dtype=dt) if for_backward else None
     cu, _, off = lay.kernel_args(gcl)
     gdn2_fwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        y, u, kt, qg, aqk, gcl, h0, o, rbuf if save_states else o, hbuf if save_states else o, ht,
+        y, u, kt, qg, aqk, gcl, h0, o, rbuf if for_backward else o, ht,
         cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
-        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, SAVE_STATES=save_states,
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, SAVE_R=for_backward,
         DOT_PREC=dot_precision(dt), BT=CHUNK)
-    return o, (ht if output_final_state else None), hbuf, rbuf
+    saved = (aqk, amat, rbuf) if for_backward else None
+    return o, (ht if output_final_state else None), saved
 
 
-def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, lay: ChunkLayout,
+def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: ChunkLayout,
                   need_dh0: bool, qk_grad_dtype: torch.dtype):
-    """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`.
+    """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`, given
+    its ``saved`` (Aqk, A, R).
 
     dq and dk come in ``qk_grad_dtype`` (fp32 when the L2-norm backward follows); the others have
     their input's dtype; dh0 is fp32 or None.
@@ -84,8 +91,22 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
-    aqk, amat, y, _, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay, store_u=False)
+    aqk, amat, rbuf = saved
+    y = torch.empty_like(q)
+    kt = torch.empty_like(q)
+    qg = torch.empty_like(q)
+    gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
     cu, info, off = lay.kernel_args(gcl)
+    gdn2_bwd_prep_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+        q, k, b, g, amat, y, kt, qg, gcl, cu, info, lay.T, lay.NT,
+        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
+    # the state at every chunk start, rebuilt from R (the forward scan's state update alone)
+    hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
+    h0 = initial_state if initial_state is not None else torch.zeros(lay.N, H, K, V, device=dev,
+                                                                       dtype=torch.float32)
+    gdn2_state_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
+        kt, rbuf, gcl, h0, hbuf, cu, off, lay.T, lay.NT, _size_bucket(lay.N * H),
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     dr = torch.empty(TT, H, V, device=dev, dtype=dt)
     dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
@@ -106,9 +127,13 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, hbuf, rbuf, do, dht, l
     dqi = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     dbki = torch.empty_like(dqi)
     dki = torch.empty_like(dqi)
-    gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-        q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, info, lay.T, lay.NT,
-        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+    # one flag per program (at most one per chunk, head and key channel); as in the forward, the programs
+    # flagged by the first launch run again with the exact diagonal path
+    steep = torch.empty(lay.NC * K, H, device=dev, dtype=torch.int32)
+    for exact in (False, True):
+        gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+            q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, info, lay.T, lay.NT,
+            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact, DOT_PREC=prec, BT=CHUNK, BC=SUB)
     del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
@@ -128,22 +153,22 @@ class ChunkGDN2Function(torch.autograd.Function):
     def forward(ctx, q, k, v, g, b, w, initial_state, scale, output_final_state, use_l2, lay):
         qn, q_rstd = l2norm_fwd(q) if use_l2 else (q, None)
         kn, k_rstd = l2norm_fwd(k) if use_l2 else (k, None)
-        o, ht, hbuf, rbuf = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state, output_final_state, lay,
-                                         save_states=True)
-        ctx.save_for_backward(q, k, v, g, b, w, initial_state, hbuf, rbuf)
+        o, ht, (aqk, amat, rbuf) = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state, output_final_state,
+                                                lay, for_backward=True)
+        ctx.save_for_backward(q, k, v, g, b, w, initial_state, aqk, amat, rbuf)
         ctx.scale, ctx.use_l2, ctx.lay = scale, use_l2, lay
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, b, w, initial_state, hbuf, rbuf = ctx.saved_tensors
+        q, k, v, g, b, w, initial_state, aqk, amat, rbuf = ctx.saved_tensors
         if ctx.use_l2:
             qn, q_rstd = l2norm_fwd(q)
             kn, k_rstd = l2norm_fwd(k)
         else:
             qn, kn = q, k
         dq, dk, dv, dg, db, dw, dh0 = gdn2_backward(
-            qn, kn, v, g, b, w, ctx.scale, initial_state, hbuf, rbuf, do.contiguous(),
+            qn, kn, v, g, b, w, ctx.scale, initial_state, (aqk, amat, rbuf), do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.lay,
             need_dh0=initial_state is not None and ctx.needs_input_grad[6],
             qk_grad_dtype=torch.float32 if ctx.use_l2 else q.dtype)
@@ -189,5 +214,5 @@ def chunk_gdn2_triton(
         qf, kf = flat[0], flat[1]
         if use_qk_l2norm_in_kernel:
             qf, kf = l2norm_fwd(qf)[0], l2norm_fwd(kf)[0]
-        o, ht, _, _ = gdn2_forward(qf, kf, *flat[2:], scale, h0, output_final_state, lay, save_states=False)
+        o, ht, _ = gdn2_forward(qf, kf, *flat[2:], scale, h0, output_final_state, lay, for_backward=False)
     return o.view(B, T, HV, V), ht

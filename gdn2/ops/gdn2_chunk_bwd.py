@@ -9,6 +9,9 @@ With dR the total gradient of the chunk's R (see ``gdn2_chunk_fwd``), per chunk:
 ``dT = -A^T dA A^T`` collapses to ``-dZ R^T`` because ``dA = dR (Z - Eb S0)^T`` and ``R = A (Z - Eb S0)``,
 so the gates stay inside the products without any transposed inverse. Kernels:
 
+- ``gdn2_bwd_prep_kernel`` (chunk- and key-block-parallel): Qg, Y, Kt, exp2(G_C) again, from the A the
+  forward saved (one cumulative sum and one product; the forward's intra kernel is not re-run);
+- ``gdn2_state_scan_kernel`` (in ``gdn2_chunk_fwd``): the state at every chunk start, from the saved R;
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
 - ``gdn2_bwd_intra_kernel`` (chunk- and key-block-parallel, one warp): the gradients through the
@@ -24,9 +27,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config
+from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config, sub_chunk_factors
 from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
-                                        seq_bounds, store_rows, tuned)
+                                        row_of, scan_program, store_rows, tuned)
+
+
+# pinned first (not yet measured on the GPU: a memory-bound elementwise pass plus one [64, 64] x [64, BK]
+# product per program)
+_PREP_CONFIGS = [
+    triton.Config({"BK": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 128}, num_warps=8, num_stages=2),
+]
+
+
+@tuned(_PREP_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
+@triton.jit(do_not_specialize=["T", "NT"])
+def gdn2_bwd_prep_kernel(q, k, b, g, amat, y, kt, qg, gcl, cu, chunk_info, T, NT,
+                         H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         DOT_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """One chunk, one head, one key block (grid: chunks * key blocks, heads): the scan operands of the
+    forward's intra kernel, from the A the forward saved: Qg = q*gamma, Y = A (b*k*gamma),
+    Kt = k*gamma_C/gamma and exp2(G_C). G is one cumulative sum over the chunk (rows past L load g = 0,
+    so the last row holds G_C); every factor is exp2 of an exponent <= 0."""
+    i_c, i_h, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+    o_t = tl.arange(0, BT)
+    dt = q.dtype.element_ty
+    b_G = tl.cumsum(load_rows(g, base, o_t, o_k, L, H, K) * LOG2E, axis=0)
+    e_c = row_of(b_G, BT - 1, BT)
+    b_gam = tl.exp2(b_G)
+    b_k = load_rows(k, base, o_t, o_k, L, H, K)
+    store_rows(qg, base, o_t, o_k, L, load_rows(q, base, o_t, o_k, L, H, K) * b_gam, H, K)
+    store_rows(kt, base, o_t, o_k, L, b_k * exp2_nonpos(e_c[None, :] - b_G), H, K)
+    b_eb = (load_rows(b, base, o_t, o_k, L, H, K) * b_k * b_gam).to(dt)
+    b_a = tl.load(amat + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=(o_t < L)[:, None], other=0.0)
+    store_rows(y, base, o_t, o_k, L, tl.dot(b_a, b_eb, input_precision=DOT_PREC), H, K)
+    tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e_c), mask=o_k < K)
 
 
 _SCAN_CONFIGS = [
@@ -47,19 +83,10 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
     Writes dS_C of every chunk (dhbuf [NC, H, K, V], input dtype), dR (dr [TT, H, V]) and the gradient
     of the initial state (dh0 [N, H, K, V] fp32).
     """
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos, c0 = seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN)
+    i_h, bos, eos, c0, o_k, m_k, o_v, m_v, p_s = scan_program(cu, chunk_off, T, NT, H, K, V, KP, IS_VARLEN, BV)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     dt = qg.dtype.element_ty
-    p_s = (i_n.to(tl.int64) * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :])
     # dht / dh0 always exist (zeros / a scratch buffer when absent): fewer kernel variants
     b_dh = tl.load(dht + p_s, mask=m_kv, other=0.0)
     n_t = tl.cdiv(eos - bos, BT)
@@ -163,31 +190,40 @@ def diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC: tl.constexpr, BK: 
 
 @triton.jit
 def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.constexpr,
-                   K: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr):
-    """Sub-chunk i: gradients through its diagonal blocks (dq, d(b*k), dk, fp32 [BC, BK]) and the
-    tiles of the off-diagonal products (q*F, b*k*F, k*H, F, H), G and e, as in ``intra_sub_chunk``."""
+                   K: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, BK: tl.constexpr):
+    """Sub-chunk i: gradients through its diagonal blocks (dq, d(b*k), dk, fp32 [BC, BK]), the tiles of
+    the off-diagonal products (q*F, b*k*F, k*H, F, H), G, e and ``fast``, as in ``intra_sub_chunk``:
+    the anchored product's gradient, except with EXACT where this key block is too steep for it."""
     b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
     b_bk = b_b * b_k
+    b_fm, b_km, b_f, b_h = sub_chunk_factors(b_G, a, e, m, fast)
     d_a = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, False)
     d_t = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, False)
-    if fast:
-        b_fm = tl.exp2(b_G - m[None, :])
-        b_km = tl.exp2(m[None, :] - b_G)
-        x_k = b_k * b_km
-        b_dq = b_fm * tl.dot(d_a, x_k, input_precision=DOT_PREC)
-        b_dbk = b_fm * tl.dot(d_t, x_k, input_precision=DOT_PREC)
-        d_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True)
-        d_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True)
-        b_dk = b_km * (tl.dot(d_at, b_q * b_fm, input_precision=DOT_PREC)
-                       + tl.dot(d_tt, b_bk * b_fm, input_precision=DOT_PREC))
-        b_f = b_fm * tl.exp2(m - a)[None, :]
-        b_h = b_km * tl.exp2(e - m)[None, :]
+    if EXACT:
+        if fast:
+            b_dq, b_dbk, b_dk = anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i, o_c,
+                                                   L, H, DOT_PREC, BT, BC)
+        else:
+            b_dq, b_dbk, b_dk = diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC, BK)
     else:
-        b_f = tl.exp2(b_G - a[None, :])
-        b_h = tl.exp2(e[None, :] - b_G)
-        b_dq, b_dbk, b_dk = diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC, BK)
-    return b_q * b_f, b_bk * b_f, b_k * b_h, b_f, b_h, b_G, e, b_dq, b_dbk, b_dk
+        b_dq, b_dbk, b_dk = anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i, o_c,
+                                               L, H, DOT_PREC, BT, BC)
+    return b_q * b_f, b_bk * b_f, b_k * b_h, b_f, b_h, b_G, e, b_dq, b_dbk, b_dk, fast.to(tl.int32)
+
+
+@triton.jit
+def anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i, o_c, L, H: tl.constexpr,
+                       DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Gradients (dq, d(b*k), dk) of the anchored diagonal product (the forward's ``anchored_diag``)."""
+    x_k = b_k * b_km
+    b_dq = b_fm * tl.dot(d_a, x_k, input_precision=DOT_PREC)
+    b_dbk = b_fm * tl.dot(d_t, x_k, input_precision=DOT_PREC)
+    d_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True)
+    d_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True)
+    b_dk = b_km * (tl.dot(d_at, b_q * b_fm, input_precision=DOT_PREC)
+                   + tl.dot(d_tt, b_bk * b_fm, input_precision=DOT_PREC))
+    return b_dq, b_dbk, b_dk
 
 
 @triton.jit
@@ -283,16 +319,34 @@ _BWD_INTRA_CONFIGS = [
 ]
 
 
-@tuned(_BWD_INTRA_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
+@tuned(_BWD_INTRA_CONFIGS, key=["H", "K", "EXACT"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info, T, NT,
+def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT,
                           H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                          EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          BK: tl.constexpr):
     """One chunk, one head, one key block: the intra-chunk gradients through Aqk and T (grid: chunks *
     key blocks, heads), fp32 [TT, H, K] each: dqi (unscaled by ``scale``: dAqk carries it), d(b*k)
     in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
-    the forward built them (16-row sub-chunks, the same anchors, the same fast / exact diagonal paths).
+    the forward built them (16-row sub-chunks, the same anchors, the anchored diagonal product or the
+    exact column path). Launched twice, like ``gdn2_intra_kernel``: anchored diagonal blocks
+    everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per program),
+    then those programs again with the exact path.
     """
+    if EXACT:
+        if tl.load(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) != 0:
+            intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, True,
+                       DOT_PREC, BT, BC, BK)
+    else:
+        intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, False,
+                   DOT_PREC, BT, BC, BK)
+
+
+@triton.jit
+def intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
+               K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block."""
     _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
@@ -300,27 +354,27 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     # (sub-chunks spelled out: see gdn2_intra_kernel); a sub-chunk's dq and d(b*k) are complete once
     # its own row of blocks is done, its dk once every later row is
     a0 = tl.zeros([BK], dtype=tl.float32)
-    qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0 = grad_sub_chunk(
-        q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0, ok0 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
     store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
-    qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1 = grad_sub_chunk(
-        q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1, ok1 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
     dq1, dbk1, dk0 = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, dq1, dbk1, dk0, o_c, L, H, dt,
                                   DOT_PREC, BT, BC)
     store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
     store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
-    qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2 = grad_sub_chunk(
-        q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2, ok2 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq2, dbk2, dk1 = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, dq2, dbk2, dk1, o_c, L, H, dt,
                                   DOT_PREC, BT, BC)
     dq2, dbk2, dk0 = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), dq2, dbk2, dk0,
                                   o_c, L, H, dt, DOT_PREC, BT, BC)
     store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
     store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
-    qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3 = grad_sub_chunk(
-        q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BT, BC, BK)
+    qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3, ok3 = grad_sub_chunk(
+        q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq3, dbk3, dk2 = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, dq3, dbk3, dk2, o_c, L, H, dt,
                                   DOT_PREC, BT, BC)
     dq3, dbk3, dk1 = offdiag_grad(daqk, dtm, row0, 3, 1, qf3, bf3, kh1, f3, h1, tl.exp2(e2 - e1), dq3, dbk3, dk1,
@@ -333,6 +387,9 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, cu, chunk_info,
     store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
     store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
     store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
+    if not EXACT:
+        slow = (1 - ok0) | (1 - ok1) | (1 - ok2) | (1 - ok3)
+        tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)
 
 
 # pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 64 / BV 64 / 8 warps 1.87 ms,

@@ -8,7 +8,8 @@ Per chunk of 64 rows (S0 = state at the chunk start, G = in-chunk cumulative log
 
 ``gdn2_intra_kernel`` (chunk-parallel) builds Aqk and A and the chunk-local operands of the scan;
 ``gdn2_fwd_scan_kernel`` (one program per sequence, head and value block) carries S across chunks,
-writes o, and optionally the per-chunk state checkpoints and R for the backward.
+writes o, and R when training. The backward keeps Aqk, A and R from the forward and rebuilds the
+per-chunk states from them with ``gdn2_state_scan_kernel`` (a lighter scan: one product per chunk).
 
 No factor k/gamma is ever formed. The chunk is handled as four sub-chunks of 16 rows; a_i is G at the
 row before sub-chunk i (a_0 = 0) and e_i = a_{i+1} is G at its last row. With
@@ -19,8 +20,9 @@ a pair r in i > j of s is exp2(G_r - G_s) = F_i(r) * exp2(a_i - e_j) * H_j(s), e
 the off-diagonal 16x16 blocks are products of [16, BK] tiles with no overflow at any decay (operands in
 the input dtype). The diagonal blocks are anchored at the sub-chunk's middle row m: factors
 exp2(G_r - G_m) and exp2(G_m - G_s) lie within [2^-FAST_SPAN, 2^FAST_SPAN] as long as each half of the
-sub-chunk decays by at most FAST_SPAN (log2), which holds for realistic gates; steeper sub-chunks
-take an exact column-by-column path with pairwise exp2(G_r - G_s), exponent <= 0. Diagonal blocks are
+sub-chunk decays by at most FAST_SPAN (log2), which holds for realistic gates; for steeper ones (per
+key block) a second launch of the intra kernel redoes the chunk with an exact column-by-column path,
+pairwise exp2(G_r - G_s), exponent <= 0. Diagonal blocks are
 built with fp32 operands (tf32 at most for 16-bit inputs) and inverted by fp32 forward substitution;
 the off-diagonal blocks of A follow by block substitution. Qg = q*gamma, Kt = k*gamma_C/gamma and
 Eb = b*k*gamma come from the same tiles times per-channel factors exp2(a_i), exp2(G_C - e_i) (<= 1).
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, row_of,
-                                        seq_bounds, store_rows, tuned)
+                                        scan_program, store_rows, tuned)
 
 
 @triton.jit
@@ -88,50 +90,33 @@ def sub_chunk_factors(b_G, a, e, m, fast):
 
 @triton.jit
 def intra_sub_chunk(q, k, b, g, base, i: tl.constexpr, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BC: tl.constexpr):
-    """Sub-chunk i: its diagonal blocks of Aqk (unscaled, r >= s) and T (r > s; fp32 [BC, BC], upper
-    triangle not cleared) by the anchored product, whether that product is exact (``fast``), the
-    tiles q*F, b*k*F, k*H of the off-diagonal products, and e."""
+                    EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BC: tl.constexpr):
+    """Sub-chunk i, one key block: its share of the diagonal blocks of Aqk (unscaled, r >= s) and T
+    (r > s; fp32 [BC, BC], upper triangle not cleared), the tiles q*F, b*k*F, k*H of the off-diagonal
+    products, e, and whether the anchored product is exact here (``fast``). The share comes from the
+    anchored product, except with EXACT where this key block's decay is too steep for it: then from
+    the exact column path (each key block's share is a sum over its own channels, so the two paths may
+    mix within one block)."""
     b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
     b_bk = b_b * b_k
     b_fm, b_km, b_f, b_h = sub_chunk_factors(b_G, a, e, m, fast)
-    b_kd = tl.trans(b_k * b_km)
-    d_qk = tl.dot(b_q * b_fm, b_kd, input_precision=DOT_PREC)
-    d_t = tl.dot(b_bk * b_fm, b_kd, input_precision=DOT_PREC)
+    if EXACT:
+        if fast:
+            d_qk, d_t = anchored_diag(b_q, b_k, b_bk, b_fm, b_km, DOT_PREC)
+        else:
+            d_qk, d_t = diag_columns(b_q, b_k, b_bk, b_G, o_c, BC)
+    else:
+        d_qk, d_t = anchored_diag(b_q, b_k, b_bk, b_fm, b_km, DOT_PREC)
     return b_q * b_f, b_bk * b_f, b_k * b_h, e, d_qk, d_t, fast.to(tl.int32)
 
 
 @triton.jit
-def anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """G of sub-chunk ``n`` (runtime index) from the anchor ``a`` before it: a + cumsum(g*log2 e),
-    the same sub-chunk cumsum as ``load_sub_chunk``, and its last row."""
-    b_G = a[None, :] + tl.cumsum(load_rows(g, base, n * BC + o_c, o_k, L, H, K) * LOG2E, axis=0)
-    return b_G, row_of(b_G, BC - 1, BC)
-
-
-@triton.jit
-def chain_anchor(g, base, first, last, a, o_c, o_k, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """The anchor after sub-chunks first..last-1, starting from ``a`` before ``first``."""
-    for n in range(first, last):
-        _, a = anchored_sub_chunk(g, base, n, a, o_c, o_k, L, H, K, BC)
-    return a
-
-
-@triton.jit
-def exact_diag(q, k, b, g, base, i, o_c, L, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-               BK: tl.constexpr):
-    """Diagonal blocks (Aqk unscaled, T) of sub-chunk i by ``diag_columns`` over all key blocks, with G
-    recomputed by the same chain of sub-chunk cumsums as the main loop (bit-identical anchors)."""
-    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    d_t = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        a = chain_anchor(g, base, 0, i, tl.zeros([BK], dtype=tl.float32), o_c, o_k, L, H, K, BC)
-        b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
-        x_qk, x_t = diag_columns(b_q, b_k, b_b * b_k, b_G, o_c, BC)
-        d_qk += x_qk
-        d_t += x_t
-    return d_qk, d_t
+def anchored_diag(b_q, b_k, b_bk, b_fm, b_km, DOT_PREC: tl.constexpr):
+    """The diagonal blocks of Aqk and T as one product anchored at the middle row (see
+    ``sub_chunk_factors``); exact within the fast bound, finite past it."""
+    b_kd = tl.trans(b_k * b_km)
+    return (tl.dot(b_q * b_fm, b_kd, input_precision=DOT_PREC),
+            tl.dot(b_bk * b_fm, b_kd, input_precision=DOT_PREC))
 
 
 @triton.jit
@@ -185,20 +170,40 @@ _INTRA_CONFIGS = [
 
 
 # Integer arguments that vary from call to call are not specialised (one compiled variant for every
-# length; ``store_u`` is a runtime switch so that the forward and the backward share one variant).
-@tuned(_INTRA_CONFIGS, key=["H", "K", "V"], clip={"BK": "KP", "BV": "VP"})
-@triton.jit(do_not_specialize=["T", "NT", "store_u"])
-def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_info, scale, T, NT, store_u,
+# length).
+@tuned(_INTRA_CONFIGS, key=["H", "K", "V", "EXACT"], clip={"BK": "KP", "BV": "VP"})
+@triton.jit(do_not_specialize=["T", "NT"])
+def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head: Aqk (scaled, masked), A, Y, Kt, Qg, exp2(G_C), and U when ``store_u`` != 0.
+    """One chunk, one head: Aqk (scaled, masked), A, Y, U, Kt, Qg and exp2(G_C).
 
     Token-major outputs: aqk / amat [TT, H, 64]; y, kt, qg [TT, H, K]; u [TT, H, V]; gcl [NC, H, K] fp32.
-    y holds Eb until A is known; amat is written (and read back) in every mode.
+    y holds Eb until A is known; amat is written, then read back as a whole tile.
+
+    Launched twice. The first launch (EXACT off) builds every diagonal block by the anchored product and
+    records in ``steep`` (int32 [NC, H]) the chunks where some sub-chunk and key block decays too fast
+    for it; their outputs are finite but not yet right. The second launch (EXACT on) redoes only those
+    chunks, with the exact column path where needed, and returns at once for the others. Keeping the
+    rarely taken exact path out of the first launch's code spares it registers.
     """
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
+    if EXACT:
+        if tl.load(steep + i_c * H + i_h) != 0:
+            intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
+                        i_c, i_h, H, K, V, IS_VARLEN, True, DOT_PREC, BT, BC, BK, BV)
+    else:
+        intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
+                    i_c, i_h, H, K, V, IS_VARLEN, False, DOT_PREC, BT, BC, BK, BV)
+
+
+@triton.jit
+def intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT, i_c, i_h,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The work of ``gdn2_intra_kernel`` for chunk i_c, head i_h."""
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     row0 = t0.to(tl.int64) * H + i_h  # (token, head) row of the chunk's first token
     base = row0 * K
@@ -226,63 +231,52 @@ def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_
     t31 = tl.zeros([BC, BC], dtype=tl.float32)
     t32 = tl.zeros([BC, BC], dtype=tl.float32)
     t33 = tl.zeros([BC, BC], dtype=tl.float32)
-    # sub-chunks whose diagonal blocks need the exact path (in any key block)
-    slow0 = 0
-    slow1 = 0
-    slow2 = 0
-    slow3 = 0
+    slow = 0  # some sub-chunk and key block too steep for the anchored diagonal product
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         a0 = tl.zeros([BK], dtype=tl.float32)
-        # (sub-chunks are spelled out: a static loop variable is not a constexpr under the interpreter)
-        qf0, bf0, kh0, e0, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 0, a0, o_c, o_k, L, H, K, DOT_PREC, BC)
+        # (sub-chunks are spelled out: a static loop variable is not a constexpr under the interpreter).
+        # Chunk-level operands come from the same tiles: Qg = qF exp2(a_i), Eb = bkF exp2(a_i) (parked in
+        # y until A is known), Kt = kH exp2(G_C - e_i) once G_C is known.
+        qf, bf, kh0, e0, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a00 += d_qk
         t00 += d_t
-        slow0 = slow0 | (1 - f_ok)
-        # chunk-level operands from the same tiles: Qg = qF exp2(a_i), Eb = bkF exp2(a_i) (parked in y
-        # until A is known), Kt = kH exp2(G_C - e_i) once G_C is known
-        store_rows(qg, base, o_c, o_k, L, qf0, H, K)
-        store_rows(y, base, o_c, o_k, L, bf0, H, K)
-        qf1, bf1, kh1, e1, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 1, e0, o_c, o_k, L, H, K, DOT_PREC, BC)
+        slow = slow | (1 - f_ok)
+        store_rows(qg, base, o_c, o_k, L, qf, H, K)
+        store_rows(y, base, o_c, o_k, L, bf, H, K)
+        qf, bf, kh1, e1, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a11 += d_qk
         t11 += d_t
-        slow1 = slow1 | (1 - f_ok)
-        store_rows(qg, base, BC + o_c, o_k, L, qf1 * tl.exp2(e0)[None, :], H, K)
-        store_rows(y, base, BC + o_c, o_k, L, bf1 * tl.exp2(e0)[None, :], H, K)
-        a10, t10 = offdiag_pair(a10, t10, qf1, bf1, kh0, dt, DOT_PREC)
-        qf2, bf2, kh2, e2, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 2, e1, o_c, o_k, L, H, K, DOT_PREC, BC)
+        slow = slow | (1 - f_ok)
+        store_rows(qg, base, BC + o_c, o_k, L, qf * tl.exp2(e0)[None, :], H, K)
+        store_rows(y, base, BC + o_c, o_k, L, bf * tl.exp2(e0)[None, :], H, K)
+        a10, t10 = offdiag_pair(a10, t10, qf, bf, kh0, dt, DOT_PREC)
+        qf, bf, kh2, e2, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a22 += d_qk
         t22 += d_t
-        slow2 = slow2 | (1 - f_ok)
-        store_rows(qg, base, 2 * BC + o_c, o_k, L, qf2 * tl.exp2(e1)[None, :], H, K)
-        store_rows(y, base, 2 * BC + o_c, o_k, L, bf2 * tl.exp2(e1)[None, :], H, K)
-        a21, t21 = offdiag_pair(a21, t21, qf2, bf2, kh1, dt, DOT_PREC)
-        a20, t20 = offdiag_pair(a20, t20, qf2, bf2, kh0 * tl.exp2(e1 - e0)[None, :], dt, DOT_PREC)
-        qf3, bf3, kh3, e3, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, DOT_PREC, BC)
+        slow = slow | (1 - f_ok)
+        store_rows(qg, base, 2 * BC + o_c, o_k, L, qf * tl.exp2(e1)[None, :], H, K)
+        store_rows(y, base, 2 * BC + o_c, o_k, L, bf * tl.exp2(e1)[None, :], H, K)
+        a21, t21 = offdiag_pair(a21, t21, qf, bf, kh1, dt, DOT_PREC)
+        a20, t20 = offdiag_pair(a20, t20, qf, bf, kh0 * tl.exp2(e1 - e0)[None, :], dt, DOT_PREC)
+        qf, bf, kh3, e3, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a33 += d_qk
         t33 += d_t
-        slow3 = slow3 | (1 - f_ok)
-        store_rows(qg, base, 3 * BC + o_c, o_k, L, qf3 * tl.exp2(e2)[None, :], H, K)
-        store_rows(y, base, 3 * BC + o_c, o_k, L, bf3 * tl.exp2(e2)[None, :], H, K)
-        a32, t32 = offdiag_pair(a32, t32, qf3, bf3, kh2, dt, DOT_PREC)
-        a31, t31 = offdiag_pair(a31, t31, qf3, bf3, kh1 * tl.exp2(e2 - e1)[None, :], dt, DOT_PREC)
-        a30, t30 = offdiag_pair(a30, t30, qf3, bf3, kh0 * tl.exp2(e2 - e0)[None, :], dt, DOT_PREC)
+        slow = slow | (1 - f_ok)
+        store_rows(qg, base, 3 * BC + o_c, o_k, L, qf * tl.exp2(e2)[None, :], H, K)
+        store_rows(y, base, 3 * BC + o_c, o_k, L, bf * tl.exp2(e2)[None, :], H, K)
+        store_rows(kt, base, 3 * BC + o_c, o_k, L, kh3, H, K)
+        a32, t32 = offdiag_pair(a32, t32, qf, bf, kh2, dt, DOT_PREC)
+        a31, t31 = offdiag_pair(a31, t31, qf, bf, kh1 * tl.exp2(e2 - e1)[None, :], dt, DOT_PREC)
+        a30, t30 = offdiag_pair(a30, t30, qf, bf, kh0 * tl.exp2(e2 - e0)[None, :], dt, DOT_PREC)
 
         store_rows(kt, base, o_c, o_k, L, kh0 * tl.exp2(e3 - e0)[None, :], H, K)
         store_rows(kt, base, BC + o_c, o_k, L, kh1 * tl.exp2(e3 - e1)[None, :], H, K)
         store_rows(kt, base, 2 * BC + o_c, o_k, L, kh2 * tl.exp2(e3 - e2)[None, :], H, K)
-        store_rows(kt, base, 3 * BC + o_c, o_k, L, kh3, H, K)
         tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e3), mask=o_k < K)
 
-    # steep sub-chunks: the exact diagonal blocks replace the (finite, clamped) anchored ones
-    if slow0 != 0:
-        a00, t00 = exact_diag(q, k, b, g, base, 0, o_c, L, H, K, BC, BK)
-    if slow1 != 0:
-        a11, t11 = exact_diag(q, k, b, g, base, 1, o_c, L, H, K, BC, BK)
-    if slow2 != 0:
-        a22, t22 = exact_diag(q, k, b, g, base, 2, o_c, L, H, K, BC, BK)
-    if slow3 != 0:
-        a33, t33 = exact_diag(q, k, b, g, base, 3, o_c, L, H, K, BC, BK)
+    if not EXACT:
+        tl.store(steep + i_c * H + i_h, slow)
 
     low = o_c[:, None] >= o_c[None, :]
     zero = tl.zeros([BC, BC], dtype=tl.float32)
@@ -303,17 +297,16 @@ def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, cu, chunk_
     store_block(aqk, row0, 3, 2, a32 * scale, o_c, L, H, BT, BC)
     store_block(aqk, row0, 3, 3, tl.where(low, a33 * scale, 0.0), o_c, L, H, BT, BC)
 
-    solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L, store_u,
+    solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L,
                     H, K, V, DOT_PREC, BT, BC, BK, BV)
 
 
 @triton.jit
-def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L, store_u,
+def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """From the ten lower 16x16 blocks of T (fp32; diagonal ones with their upper triangle not yet
-    cleared): A = (I + T)^-1 into amat, then Y = A Eb in place of Eb (parked in y) and, when
-    ``store_u`` != 0, U = A (w*v)."""
+    cleared): A = (I + T)^-1 into amat, then Y = A Eb in place of Eb (parked in y) and U = A (w*v)."""
     o_c = tl.arange(0, BC)
     strict = o_c[:, None] > o_c[None, :]
     zero = tl.zeros([BC, BC], dtype=tl.float32)
@@ -360,21 +353,20 @@ def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u
         b_eb = tl.load(y + offs, mask=msk, other=0.0)
         b_y = tl.dot(b_a, b_eb, input_precision=DOT_PREC)
         tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=msk)
-    if store_u != 0:
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            offs = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
-            msk = m_t[:, None] & (o_v < V)[None, :]
-            b_v = tl.load(v + offs, mask=msk, other=0.0).to(tl.float32)
-            b_w = tl.load(w + offs, mask=msk, other=0.0).to(tl.float32)
-            b_u = tl.dot(b_a, (b_v * b_w).to(dt), input_precision=DOT_PREC)
-            tl.store(u + offs, b_u.to(u.dtype.element_ty), mask=msk)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        offs = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
+        msk = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + offs, mask=msk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + offs, mask=msk, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_a, (b_v * b_w).to(dt), input_precision=DOT_PREC)
+        tl.store(u + offs, b_u.to(u.dtype.element_ty), mask=msk)
 
 
 _SCAN_CONFIGS = [
-    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 16}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 16}, num_warps=4, num_stages=3),
 ]
 
 
@@ -382,8 +374,9 @@ def scan_config(named: dict) -> triton.Config:
     """Value block of the scans: the widest of BV 64, 32, 16 that still gives at least 256 programs
     (about two per SM), else BV 16. The scan is a chain of per-chunk steps, so at few sequences x heads
     splitting V is the only parallelism; with enough of them wider blocks do fewer, larger products.
-    Measured at 8 x 4096 x 16 (H200, bf16; 256 programs at BV 64): forward scan BV 64 0.41 ms,
-    BV 32 0.63 ms; backward scan 0.40 / 0.59 ms."""
+    Measured at 8 x 4096 x 16 (H200, bf16; 256 programs at BV 64), 4 warps: forward scan BV 64 0.42 ms
+    with 2 stages, 0.335 ms with 3 (BV 32: 0.62 / 0.40 ms; 8 warps at BV 64: 0.52 ms); state scan BV 64
+    0.173 / 0.155 ms."""
     size, v = int(named["SIZE"]), int(named["V"])
     # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles
     if named.get("DOT_PREC") != "ieee":
@@ -393,31 +386,18 @@ def scan_config(named: dict) -> triton.Config:
     return _SCAN_CONFIGS[2]
 
 
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_STATES"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_R"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
-def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, hbuf, ht, cu, chunk_off, scale, T, NT, SIZE,
+def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
-                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE_STATES: tl.constexpr,
-                         DOT_PREC: tl.constexpr,
-                         BT: tl.constexpr, BV: tl.constexpr):
-    """Carry the state over the chunks of one sequence (one head, one value block); write o.
-
-    SAVE_STATES also writes the state at every chunk start (hbuf [NC, H, K, V], input dtype) and R
-    (r [TT, H, V]) for the backward.
-    """
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos, c0 = seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN)
+                         VP: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE_R: tl.constexpr,
+                         DOT_PREC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """Carry the state over the chunks of one sequence (one head, one value block); write o, and R
+    (r [TT, H, V], input dtype) when SAVE_R (training: the backward rebuilds the states from it)."""
+    i_h, bos, eos, c0, o_k, m_k, o_v, m_v, p_s = scan_program(cu, chunk_off, T, NT, H, K, V, KP, IS_VARLEN, BV)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     dt = y.dtype.element_ty
-    p_s = (i_n.to(tl.int64) * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :])
     # h0 / ht always exist (zeros / a scratch buffer when not asked for): fewer kernel variants
     b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
@@ -425,9 +405,6 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, hbuf, ht, cu, chunk_o
         m_t = o_t < eos - t0
         row0 = t0.to(tl.int64) * H + i_h
         i_c = (c0 + i_t).to(tl.int64)
-        if SAVE_STATES:
-            tl.store(hbuf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]),
-                     b_h.to(hbuf.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         p_k = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
         b_y = tl.load(y + p_k, mask=m_tk, other=0.0)
@@ -443,9 +420,37 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, hbuf, ht, cu, chunk_o
         b_hd = b_h.to(dt)
         b_r = b_u - tl.dot(b_y, b_hd, input_precision=DOT_PREC)
         b_rd = b_r.to(dt)
-        if SAVE_STATES:
+        if SAVE_R:
             tl.store(r + p_v, b_rd, mask=m_tv)
         b_o = tl.dot(b_qg, b_hd, input_precision=DOT_PREC) * scale + tl.dot(b_a, b_rd, input_precision=DOT_PREC)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
         b_h = b_h * b_gl[:, None] + tl.dot(b_ktt, b_rd, input_precision=DOT_PREC)
     tl.store(ht + p_s, b_h, mask=m_kv)
+
+
+@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
+@triton.jit(do_not_specialize=["T", "NT", "SIZE"])
+def gdn2_state_scan_kernel(kt, r, gcl, h0, hbuf, cu, chunk_off, T, NT, SIZE,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                           VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                           BT: tl.constexpr, BV: tl.constexpr):
+    """The states alone, from the R the training forward saved: S_C = Diag(gamma_C) S0 + Kt^T R, the
+    state at every chunk start into hbuf ([NC, H, K, V], input dtype). Same products, in the same
+    precision, as the forward scan's state update, without the output and R."""
+    i_h, bos, eos, c0, o_k, m_k, o_v, m_v, p_s = scan_program(cu, chunk_off, T, NT, H, K, V, KP, IS_VARLEN, BV)
+    o_t = tl.arange(0, BT)
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
+    for i_t in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_t * BT
+        m_t = o_t < eos - t0
+        row0 = t0.to(tl.int64) * H + i_h
+        i_c = (c0 + i_t).to(tl.int64)
+        tl.store(hbuf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]),
+                 b_h.to(hbuf.dtype.element_ty), mask=m_kv)
+        b_ktt = tl.load(kt + row0 * K + (o_t[None, :] * (H * K) + o_k[:, None]), mask=m_t[None, :] & m_k[:, None],
+                        other=0.0)
+        b_r = tl.load(r + row0 * V + (o_t[:, None] * (H * V) + o_v[None, :]), mask=m_t[:, None] & m_v[None, :],
+                      other=0.0)
+        b_gl = tl.load(gcl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_h = b_h * b_gl[:, None] + tl.dot(b_ktt, b_r, input_precision=DOT_PREC)

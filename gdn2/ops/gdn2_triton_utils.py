@@ -128,6 +128,23 @@ def seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN: tl.constexpr):
     return bos, eos, c0
 
 
+@triton.jit
+def scan_program(cu, chunk_off, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
+                 IS_VARLEN: tl.constexpr, BV: tl.constexpr):
+    """Where a program of a (value blocks, sequences * heads) scan grid works: head i_h, the sequence's
+    first / end token and first global chunk, the [KP] key and [BV] value offsets with their masks, and
+    the element offsets of this program's [KP, BV] slice of an [N, H, K, V] state."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos, eos, c0 = seq_bounds(i_n, cu, chunk_off, T, NT, IS_VARLEN)
+    o_k = tl.arange(0, KP)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_s = (i_n.to(tl.int64) * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :])
+    return i_h, bos, eos, c0, o_k, o_k < K, o_v, o_v < V, p_s
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile helpers for the 16-row sub-chunks of a 64-row chunk
 # --------------------------------------------------------------------------------------------------

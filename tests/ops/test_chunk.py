@@ -147,9 +147,11 @@ def test_extreme_decay_stays_finite():
 
 def test_steep_gates_anchored_and_exact_diagonal_paths():
     """Gates near the fast bound of the anchored diagonal blocks (-4 nats per token: factors up to
-    2^46 inside a sub-chunk) next to one steep burst (-12 per token over 8 tokens in a few channels),
-    which sends that sub-chunk alone to the exact column path; both must match the recurrence."""
-    B, T, H, K, V = 1, 128, 1, 32, 16
+    2^46 inside a sub-chunk) in the first key block, next to one steep burst (-12 per token over 8
+    tokens in a few channels of the second key block), which sends that sub-chunk of that key block
+    alone to the exact column path, redone by the intra kernel's second launch; both must match the
+    recurrence."""
+    B, T, H, K, V = 1, 128, 1, 64, 16
     ins, h0, do, dht, cu = make_case(B, T, H, K, V, torch.float32, False, True, None, seed=12)
     ins[3][..., : K // 2] = -4.0
     ins[3][:, 20:28, :, K // 2: K // 2 + 3] = -12.0
