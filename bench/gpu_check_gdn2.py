@@ -331,7 +331,7 @@ def _kernels():
     from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
     return {"gdn2_intra_kernel": F_.gdn2_intra_kernel,
             "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel, "gdn2_state_scan_kernel": F_.gdn2_state_scan_kernel,
-            "gdn2_bwd_prep_kernel": B_.gdn2_bwd_prep_kernel,
+            "gdn2_prep_kernel": F_.gdn2_prep_kernel,
             "gdn2_bwd_scan_kernel": B_.gdn2_bwd_scan_kernel, "gdn2_bwd_wy_kernel": B_.gdn2_bwd_wy_kernel,
             "gdn2_bwd_intra_kernel": B_.gdn2_bwd_intra_kernel, "gdn2_bwd_qkbg_kernel": B_.gdn2_bwd_qkbg_kernel}
 
@@ -416,7 +416,7 @@ def _probe_one(job):
 # kernel variants compiled by the probe besides each config: (kernel, flags)
 _VARIANTS = [("gdn2_intra_kernel", dict(EXACT=False)), ("gdn2_intra_kernel", dict(EXACT=True)),
              ("gdn2_fwd_scan_kernel", dict(SAVE_R=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_R=False)),
-             ("gdn2_state_scan_kernel", {}), ("gdn2_bwd_prep_kernel", {}),
+             ("gdn2_state_scan_kernel", {}), ("gdn2_prep_kernel", dict(WITH_U=1)), ("gdn2_prep_kernel", dict(WITH_U=0)),
              ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", dict(EXACT=False)),
              ("gdn2_bwd_intra_kernel", dict(EXACT=True)),
              ("gdn2_bwd_qkbg_kernel", {})]

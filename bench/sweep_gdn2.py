@@ -42,8 +42,7 @@ def cfg(w, s=1, **kw):
 # short name -> (module, kernel attribute, configs to try; the first is the pinned one)
 SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
-        cfg(1, BK=32, BV=64), cfg(1, BK=16, BV=64), cfg(1, BK=64, BV=64), cfg(1, BK=32, BV=32),
-        cfg(1, 2, BK=32, BV=64), cfg(2, BK=16, BV=32)]),
+        cfg(1, BK=32), cfg(1, BK=16), cfg(1, BK=64), cfg(1, 2, BK=32), cfg(2, BK=16)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
         cfg(1, BK=32), cfg(1, BK=16), cfg(1, BK=64), cfg(2, BK=16), cfg(2, BK=32)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
@@ -53,8 +52,9 @@ SWEEPS = {
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 3, BV=128)]),
     "state_scan": (fwd_mod, "gdn2_state_scan_kernel", [
         cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 3, BV=64), cfg(4, 2, BV=32), cfg(8, 2, BV=128), cfg(2, 2, BV=64)]),
-    "bwd_prep": (bwd_mod, "gdn2_bwd_prep_kernel", [
-        cfg(4, 2, BK=64), cfg(4, 2, BK=32), cfg(8, 2, BK=128), cfg(8, 2, BK=64), cfg(2, 2, BK=32)]),
+    "prep": (fwd_mod, "gdn2_prep_kernel", [
+        cfg(4, 2, BK=64, BV=64), cfg(4, 2, BK=32, BV=32), cfg(8, 2, BK=128, BV=128), cfg(8, 2, BK=64, BV=64),
+        cfg(4, 1, BK=64, BV=64)]),
     "bwd_scan": (bwd_mod, "gdn2_bwd_scan_kernel", [
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32)]),
     "wy": (bwd_mod, "gdn2_bwd_wy_kernel", [
@@ -71,7 +71,7 @@ def kernel_ms(step, name, reps=3):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--kernels", default="intra,bwd_intra,qkbg,fwd_scan,state_scan,bwd_prep,bwd_scan,wy")
+    ap.add_argument("--kernels", default="intra,bwd_intra,qkbg,fwd_scan,state_scan,prep,bwd_scan,wy")
     ap.add_argument("--shape", default="8,4096,16")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)

@@ -1,12 +1,12 @@
 """Chunked GDN-2 in Triton: forward, backward and the autograd Function behind ``chunk_gdn2``.
 
-Forward: [L2 norm of q, k] -> ``gdn2_intra_kernel`` (chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the
-state scan, which also writes o). For training the forward saves Aqk and A ([TT, H, 64] each, input dtype)
-and R; at K = V = 128 Aqk and A take half the bytes of per-chunk state checkpoints. Backward: ``gdn2_bwd_prep_kernel`` (Qg, Y, Kt from A
-and one cumulative sum: the forward's intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the
-states at every chunk start from R, one product per chunk) -> ``gdn2_bwd_scan_kernel`` (one reverse
-scan) -> ``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (chunk-parallel)
--> [L2 norm backward].
+Forward: [L2 norm of q, k] -> ``gdn2_intra_kernel`` (Aqk and A, chunk-parallel) -> ``gdn2_prep_kernel``
+(Qg, Y, Kt, U, chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the state scan, which also writes o). For
+training the forward saves Aqk and A ([TT, H, 64] each, input dtype) and R; at K = V = 128 Aqk and A
+take half the bytes of per-chunk state checkpoints. Backward: ``gdn2_prep_kernel`` again without U (the
+intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the states at every chunk start from R, one
+product per chunk) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) -> ``gdn2_bwd_wy_kernel`` ->
+``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (chunk-parallel) -> [L2 norm backward].
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
 """
@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_prep_kernel, gdn2_bwd_qkbg_kernel,
-                                     gdn2_bwd_scan_kernel, gdn2_bwd_wy_kernel)
-from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_state_scan_kernel
+from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
+                                     gdn2_bwd_wy_kernel)
+from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_prep_kernel, gdn2_state_scan_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
 
@@ -30,27 +30,39 @@ def _size_bucket(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
-    """Chunk-parallel part: Aqk, A, Y, U, Kt, Qg, exp2(G_C) (see ``gdn2_intra_kernel``)."""
+def _chunk_operands(q, k, g, b, v, w, amat, lay: ChunkLayout, with_u: bool):
+    """Y, Kt, Qg (like q), exp2(G_C) (fp32 [NC, H, K]) and, ``with_u``, U (like v; else None) from A
+    (see ``gdn2_prep_kernel``)."""
     TT, H, K = q.shape
     V = v.shape[-1]
-    dev, dt = q.device, q.dtype
-    aqk = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
-    amat = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
     y = torch.empty_like(q)
     kt = torch.empty_like(q)
     qg = torch.empty_like(q)
-    u = torch.empty(TT, H, V, device=dev, dtype=dt)
-    gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
-    steep = torch.empty(lay.NC, H, device=dev, dtype=torch.int32)
+    u = torch.empty_like(v) if with_u else None
+    gcl = torch.empty(lay.NC, H, K, device=q.device, dtype=torch.float32)
     cu, info, _ = lay.kernel_args(gcl)
+    gdn2_prep_kernel[lambda meta: (lay.NC * (triton.cdiv(K, meta["BK"]) + with_u * triton.cdiv(V, meta["BV"])), H)](
+        q, k, b, g, v, w, amat, y, kt, qg, u if with_u else y, gcl, cu, info, lay.T, lay.NT,
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, WITH_U=int(with_u),
+        DOT_PREC=dot_precision(q.dtype), BT=CHUNK)
+    return y, kt, qg, u, gcl
+
+
+def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
+    """Chunk-parallel part of the forward: Aqk and A (``gdn2_intra_kernel``), then Y, Kt, Qg, U, exp2(G_C)."""
+    TT, H, K = q.shape
+    dev, dt = q.device, q.dtype
+    aqk = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    amat = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    steep = torch.empty(lay.NC, H, device=dev, dtype=torch.int32)
+    cu, info, _ = lay.kernel_args(steep)
     # anchored diagonal blocks everywhere, then the chunks flagged in ``steep`` again with the exact path
     for exact in (False, True):
         gdn2_intra_kernel[(lay.NC, H)](
-            q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, info, scale, lay.T, lay.NT,
-            H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, EXACT=exact,
+            q, k, g, b, aqk, amat, steep, cu, info, scale, lay.T, lay.NT,
+            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact,
             DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-    return aqk, amat, y, u, kt, qg, gcl
+    return (aqk, amat) + _chunk_operands(q, k, g, b, v, w, amat, lay, with_u=True)
 
 
 def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay: ChunkLayout,
@@ -64,7 +76,7 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     TT, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    aqk, amat, y, u, kt, qg, gcl = _prep(q, k, g, b, v, w, scale, lay)
+    aqk, amat, y, kt, qg, u, gcl = _prep(q, k, g, b, v, w, scale, lay)
     o = torch.empty(TT, H, V, device=dev, dtype=dt)
     ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
@@ -92,14 +104,8 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
     aqk, amat, rbuf = saved
-    y = torch.empty_like(q)
-    kt = torch.empty_like(q)
-    qg = torch.empty_like(q)
-    gcl = torch.empty(lay.NC, H, K, device=dev, dtype=torch.float32)
+    y, kt, qg, _, gcl = _chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
     cu, info, off = lay.kernel_args(gcl)
-    gdn2_bwd_prep_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-        q, k, b, g, amat, y, kt, qg, gcl, cu, info, lay.T, lay.NT,
-        H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
     # the state at every chunk start, rebuilt from R (the forward scan's state update alone)
     hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     h0 = initial_state if initial_state is not None else torch.zeros(lay.N, H, K, V, device=dev,

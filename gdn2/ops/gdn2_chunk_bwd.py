@@ -9,9 +9,9 @@ With dR the total gradient of the chunk's R (see ``gdn2_chunk_fwd``), per chunk:
 ``dT = -A^T dA A^T`` collapses to ``-dZ R^T`` because ``dA = dR (Z - Eb S0)^T`` and ``R = A (Z - Eb S0)``,
 so the gates stay inside the products without any transposed inverse. Kernels:
 
-- ``gdn2_bwd_prep_kernel`` (chunk- and key-block-parallel): Qg, Y, Kt, exp2(G_C) again, from the A the
-  forward saved (one cumulative sum and one product; the forward's intra kernel is not re-run);
-- ``gdn2_state_scan_kernel`` (in ``gdn2_chunk_fwd``): the state at every chunk start, from the saved R;
+- ``gdn2_prep_kernel`` and ``gdn2_state_scan_kernel`` (in ``gdn2_chunk_fwd``): Qg, Y, Kt, exp2(G_C) again
+  from the A the forward saved (one cumulative sum and one product; the forward's intra kernel is not
+  re-run), then the state at every chunk start from the saved R;
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
 - ``gdn2_bwd_intra_kernel`` (chunk- and key-block-parallel, one warp): the gradients through the
@@ -27,52 +27,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import LOG2E, load_sub_chunk, scan_config, sub_chunk_factors
+from gdn2.ops.gdn2_chunk_fwd import LOG2E, SCAN_CONFIGS, load_sub_chunk, scan_config, sub_chunk_factors
 from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
-                                        row_of, scan_program, store_rows, tuned)
+                                        scan_program, store_rows, tuned)
 
 
-# pinned first (not yet measured on the GPU: a memory-bound elementwise pass plus one [64, 64] x [64, BK]
-# product per program)
-_PREP_CONFIGS = [
-    triton.Config({"BK": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BK": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BK": 128}, num_warps=8, num_stages=2),
-]
-
-
-@tuned(_PREP_CONFIGS, key=["H", "K"], clip={"BK": "KP"})
-@triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_prep_kernel(q, k, b, g, amat, y, kt, qg, gcl, cu, chunk_info, T, NT,
-                         H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """One chunk, one head, one key block (grid: chunks * key blocks, heads): the scan operands of the
-    forward's intra kernel, from the A the forward saved: Qg = q*gamma, Y = A (b*k*gamma),
-    Kt = k*gamma_C/gamma and exp2(G_C). G is one cumulative sum over the chunk (rows past L load g = 0,
-    so the last row holds G_C); every factor is exp2 of an exponent <= 0."""
-    i_c, i_h, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
-    o_t = tl.arange(0, BT)
-    dt = q.dtype.element_ty
-    b_G = tl.cumsum(load_rows(g, base, o_t, o_k, L, H, K) * LOG2E, axis=0)
-    e_c = row_of(b_G, BT - 1, BT)
-    b_gam = tl.exp2(b_G)
-    b_k = load_rows(k, base, o_t, o_k, L, H, K)
-    store_rows(qg, base, o_t, o_k, L, load_rows(q, base, o_t, o_k, L, H, K) * b_gam, H, K)
-    store_rows(kt, base, o_t, o_k, L, b_k * exp2_nonpos(e_c[None, :] - b_G), H, K)
-    b_eb = (load_rows(b, base, o_t, o_k, L, H, K) * b_k * b_gam).to(dt)
-    b_a = tl.load(amat + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=(o_t < L)[:, None], other=0.0)
-    store_rows(y, base, o_t, o_k, L, tl.dot(b_a, b_eb, input_precision=DOT_PREC), H, K)
-    tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e_c), mask=o_k < K)
-
-
-_SCAN_CONFIGS = [
-    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 16}, num_warps=4, num_stages=2),
-]
-
-
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,

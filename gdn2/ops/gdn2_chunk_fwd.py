@@ -6,7 +6,8 @@ Per chunk of 64 rows (S0 = state at the chunk start, G = in-chunk cumulative log
     A = (I + T)^-1,  Y = A (b*k*gamma),  U = A (w*v),  R = U - Y S0
     O = scale * (q*gamma) S0 + Aqk R,     S_C = Diag(gamma_C) S0 + (k*gamma_C/gamma)^T R
 
-``gdn2_intra_kernel`` (chunk-parallel) builds Aqk and A and the chunk-local operands of the scan;
+``gdn2_intra_kernel`` (chunk-parallel) builds Aqk and A, ``gdn2_prep_kernel`` the other chunk-local
+operands of the scan;
 ``gdn2_fwd_scan_kernel`` (one program per sequence, head and value block) carries S across chunks,
 writes o, and R when training. The backward keeps Aqk, A and R from the forward and rebuilds the
 per-chunk states from them with ``gdn2_state_scan_kernel`` (a lighter scan: one product per chunk).
@@ -33,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, row_of,
-                                        scan_program, store_rows, tuned)
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, key_block_program,
+                                        load_rows, row_of, scan_program, store_rows, tuned)
 
 
 @triton.jit
@@ -158,29 +159,28 @@ def store_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, x, o_c, L, H: tl.co
     tl.store(ptr + p, x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
 
 
-# pinned first. Measured on the H200 (bench/sweep_gdn2.py, 8 x 4096 x 16, bf16, triton 3.6), two
-# launches per forward + backward: 1 warp BK 32 2.89 ms; 2 warps BK 16 4.12, BK 32 4.79, BK 64 4.64;
-# 4 warps BK 32 5.30, BK 64 5.63; 8 warps BK 32 8.44 ms. The [16, 16] products fill one warp's mma
-# tile: more warps only replicate them, and one warp per program lets several programs share an SM.
+# pinned first. Measured on the H200 (bench/sweep_gdn2.py, 8 x 4096 x 16, bf16, triton 3.6; this kernel
+# builds Aqk and A only): 1 warp BK 32 0.63 ms with 2 stages, 0.68 ms with 1; BK 16 0.84, BK 64 0.96;
+# 2 warps BK 16 1.06 ms. (When it also wrote Y, U, Qg, Kt: 1 warp BK 32 1.45 ms; 2 warps 2.4 ms; 8 warps
+# 4.2 ms.) The [16, 16] products fill one warp's mma tile: more warps only replicate them, and one warp
+# per program lets several programs share an SM.
 _INTRA_CONFIGS = [
-    triton.Config({"BK": 32, "BV": 64}, num_warps=1, num_stages=1),
-    triton.Config({"BK": 16, "BV": 64}, num_warps=2, num_stages=1),
-    triton.Config({"BK": 32, "BV": 64}, num_warps=8, num_stages=1),
+    triton.Config({"BK": 32}, num_warps=1, num_stages=2),
+    triton.Config({"BK": 16}, num_warps=2, num_stages=1),
+    triton.Config({"BK": 32}, num_warps=8, num_stages=1),
 ]
 
 
 # Integer arguments that vary from call to call are not specialised (one compiled variant for every
 # length).
-@tuned(_INTRA_CONFIGS, key=["H", "K", "V", "EXACT"], clip={"BK": "KP", "BV": "VP"})
+@tuned(_INTRA_CONFIGS, key=["H", "K", "EXACT"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+def gdn2_intra_kernel(q, k, g, b, aqk, amat, steep, cu, chunk_info, scale, T, NT,
+                      H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                       IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head: Aqk (scaled, masked), A, Y, U, Kt, Qg and exp2(G_C).
-
-    Token-major outputs: aqk / amat [TT, H, 64]; y, kt, qg [TT, H, K]; u [TT, H, V]; gcl [NC, H, K] fp32.
-    y holds Eb until A is known; amat is written, then read back as a whole tile.
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One chunk, one head: Aqk (scaled, masked) and A, token-major [TT, H, 64] each. The scan operands
+    that need A (Y, U) or only the gates (Qg, Kt) come from ``gdn2_prep_kernel``.
 
     Launched twice. The first launch (EXACT off) builds every diagonal block by the anchored product and
     records in ``steep`` (int32 [NC, H]) the chunks where some sub-chunk and key block decays too fast
@@ -192,17 +192,17 @@ def gdn2_intra_kernel(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu,
     i_h = tl.program_id(1)
     if EXACT:
         if tl.load(steep + i_c * H + i_h) != 0:
-            intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
-                        i_c, i_h, H, K, V, IS_VARLEN, True, DOT_PREC, BT, BC, BK, BV)
+            intra_chunk(q, k, g, b, aqk, amat, steep, cu, chunk_info, scale, T, NT,
+                        i_c, i_h, H, K, IS_VARLEN, True, DOT_PREC, BT, BC, BK)
     else:
-        intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT,
-                    i_c, i_h, H, K, V, IS_VARLEN, False, DOT_PREC, BT, BC, BK, BV)
+        intra_chunk(q, k, g, b, aqk, amat, steep, cu, chunk_info, scale, T, NT,
+                    i_c, i_h, H, K, IS_VARLEN, False, DOT_PREC, BT, BC, BK)
 
 
 @triton.jit
-def intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk_info, scale, T, NT, i_c, i_h,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
-                DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def intra_chunk(q, k, g, b, aqk, amat, steep, cu, chunk_info, scale, T, NT, i_c, i_h,
+                H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """The work of ``gdn2_intra_kernel`` for chunk i_c, head i_h."""
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     row0 = t0.to(tl.int64) * H + i_h  # (token, head) row of the chunk's first token
@@ -235,46 +235,29 @@ def intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         a0 = tl.zeros([BK], dtype=tl.float32)
-        # (sub-chunks are spelled out: a static loop variable is not a constexpr under the interpreter).
-        # Chunk-level operands come from the same tiles: Qg = qF exp2(a_i), Eb = bkF exp2(a_i) (parked in
-        # y until A is known), Kt = kH exp2(G_C - e_i) once G_C is known.
+        # (sub-chunks are spelled out: a static loop variable is not a constexpr under the interpreter)
         qf, bf, kh0, e0, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a00 += d_qk
         t00 += d_t
         slow = slow | (1 - f_ok)
-        store_rows(qg, base, o_c, o_k, L, qf, H, K)
-        store_rows(y, base, o_c, o_k, L, bf, H, K)
         qf, bf, kh1, e1, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a11 += d_qk
         t11 += d_t
         slow = slow | (1 - f_ok)
-        store_rows(qg, base, BC + o_c, o_k, L, qf * tl.exp2(e0)[None, :], H, K)
-        store_rows(y, base, BC + o_c, o_k, L, bf * tl.exp2(e0)[None, :], H, K)
         a10, t10 = offdiag_pair(a10, t10, qf, bf, kh0, dt, DOT_PREC)
         qf, bf, kh2, e2, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a22 += d_qk
         t22 += d_t
         slow = slow | (1 - f_ok)
-        store_rows(qg, base, 2 * BC + o_c, o_k, L, qf * tl.exp2(e1)[None, :], H, K)
-        store_rows(y, base, 2 * BC + o_c, o_k, L, bf * tl.exp2(e1)[None, :], H, K)
         a21, t21 = offdiag_pair(a21, t21, qf, bf, kh1, dt, DOT_PREC)
         a20, t20 = offdiag_pair(a20, t20, qf, bf, kh0 * tl.exp2(e1 - e0)[None, :], dt, DOT_PREC)
-        qf, bf, kh3, e3, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
+        qf, bf, _, _, d_qk, d_t, f_ok = intra_sub_chunk(q, k, b, g, base, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BC)
         a33 += d_qk
         t33 += d_t
         slow = slow | (1 - f_ok)
-        store_rows(qg, base, 3 * BC + o_c, o_k, L, qf * tl.exp2(e2)[None, :], H, K)
-        store_rows(y, base, 3 * BC + o_c, o_k, L, bf * tl.exp2(e2)[None, :], H, K)
-        store_rows(kt, base, 3 * BC + o_c, o_k, L, kh3, H, K)
         a32, t32 = offdiag_pair(a32, t32, qf, bf, kh2, dt, DOT_PREC)
         a31, t31 = offdiag_pair(a31, t31, qf, bf, kh1 * tl.exp2(e2 - e1)[None, :], dt, DOT_PREC)
         a30, t30 = offdiag_pair(a30, t30, qf, bf, kh0 * tl.exp2(e2 - e0)[None, :], dt, DOT_PREC)
-
-        store_rows(kt, base, o_c, o_k, L, kh0 * tl.exp2(e3 - e0)[None, :], H, K)
-        store_rows(kt, base, BC + o_c, o_k, L, kh1 * tl.exp2(e3 - e1)[None, :], H, K)
-        store_rows(kt, base, 2 * BC + o_c, o_k, L, kh2 * tl.exp2(e3 - e2)[None, :], H, K)
-        tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e3), mask=o_k < K)
-
     if not EXACT:
         tl.store(steep + i_c * H + i_h, slow)
 
@@ -297,20 +280,17 @@ def intra_chunk(q, k, g, b, v, w, aqk, amat, y, u, kt, qg, gcl, steep, cu, chunk
     store_block(aqk, row0, 3, 2, a32 * scale, o_c, L, H, BT, BC)
     store_block(aqk, row0, 3, 3, tl.where(low, a33 * scale, 0.0), o_c, L, H, BT, BC)
 
-    solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L,
-                    H, K, V, DOT_PREC, BT, BC, BK, BV)
+    solve_and_store(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, row0, L, H, DOT_PREC, BT, BC)
 
 
 @triton.jit
-def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u, v, w, row0, base, L,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def solve_and_store(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, row0, L, H: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """From the ten lower 16x16 blocks of T (fp32; diagonal ones with their upper triangle not yet
-    cleared): A = (I + T)^-1 into amat, then Y = A Eb in place of Eb (parked in y) and U = A (w*v)."""
+    cleared): A = (I + T)^-1 into amat."""
     o_c = tl.arange(0, BC)
     strict = o_c[:, None] > o_c[None, :]
     zero = tl.zeros([BC, BC], dtype=tl.float32)
-    dt = y.dtype.element_ty
     # A = (I + T)^-1: diagonal blocks by fp32 forward substitution, then block rows in order,
     # A_ij = -A_ii sum_{j <= l < i} T_il A_lj
     x00, x11, x22, x33 = invert4(tl.where(strict, t00, 0.0), tl.where(strict, t11, 0.0),
@@ -340,30 +320,58 @@ def solve_and_apply(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, y, u
     store_block(amat, row0, 3, 1, x31, o_c, L, H, BT, BC)
     store_block(amat, row0, 3, 2, x32, o_c, L, H, BT, BC)
     store_block(amat, row0, 3, 3, x33, o_c, L, H, BT, BC)
-    # the blocks of A and Eb written above are read back as whole [64, *] tiles by this same program
-    tl.debug_barrier()
 
+
+# pinned first; measured at 8 x 4096 x 16 (H200, bf16), per forward + backward (the forward's launch with
+# U, the backward's without): BK = BV 32 / 4 warps 0.81 ms, 64 / 4 warps 0.83 ms, 64 / 8 warps 0.91 ms,
+# 128 / 8 warps 1.14 ms
+_PREP_CONFIGS = [
+    triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BK": 128, "BV": 128}, num_warps=8, num_stages=2),
+]
+
+
+@tuned(_PREP_CONFIGS, key=["H", "K", "V", "WITH_U"], clip={"BK": "KP", "BV": "VP"})
+@triton.jit(do_not_specialize=["T", "NT"])
+def gdn2_prep_kernel(q, k, b, g, v, w, amat, y, kt, qg, u, gcl, cu, chunk_info, T, NT,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, WITH_U: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr):
+    """The chunk-local scan operands that need A (``gdn2_intra_kernel``'s, or the one the training forward
+    saved, in the backward) or only the gates. Grid: (chunks * (key blocks [+ value blocks]), heads).
+    A key-block program writes Qg = q*gamma, Y = A (b*k*gamma), Kt = k*gamma_C/gamma and exp2(G_C), with
+    G one cumulative sum over the chunk (rows past L load g = 0, so the last row holds G_C; every factor
+    is exp2 of an exponent <= 0); with WITH_U a value-block program writes U = A (w*v)."""
+    NK = tl.cdiv(K, BK)
+    NB = NK + tl.cdiv(V, BV) * WITH_U
+    i_c = tl.program_id(0) // NB
+    j = tl.program_id(0) % NB
+    i_h = tl.program_id(1)
+    t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    row0 = t0.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    m_t = o_t < L
-    b_a = tl.load(amat + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=m_t[:, None], other=0.0)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        offs = base + (o_t[:, None] * (H * K) + o_k[None, :])
-        msk = m_t[:, None] & (o_k < K)[None, :]
-        b_eb = tl.load(y + offs, mask=msk, other=0.0)
-        b_y = tl.dot(b_a, b_eb, input_precision=DOT_PREC)
-        tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=msk)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        offs = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
-        msk = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + offs, mask=msk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + offs, mask=msk, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_a, (b_v * b_w).to(dt), input_precision=DOT_PREC)
-        tl.store(u + offs, b_u.to(u.dtype.element_ty), mask=msk)
+    dt = q.dtype.element_ty
+    b_a = tl.load(amat + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=(o_t < L)[:, None], other=0.0)
+    if j < NK:
+        base = row0 * K
+        o_k = j * BK + tl.arange(0, BK)
+        b_G = tl.cumsum(load_rows(g, base, o_t, o_k, L, H, K) * LOG2E, axis=0)
+        e_c = row_of(b_G, BT - 1, BT)
+        b_gam = tl.exp2(b_G)
+        b_k = load_rows(k, base, o_t, o_k, L, H, K)
+        store_rows(qg, base, o_t, o_k, L, load_rows(q, base, o_t, o_k, L, H, K) * b_gam, H, K)
+        store_rows(kt, base, o_t, o_k, L, b_k * exp2_nonpos(e_c[None, :] - b_G), H, K)
+        b_eb = (load_rows(b, base, o_t, o_k, L, H, K) * b_k * b_gam).to(dt)
+        store_rows(y, base, o_t, o_k, L, tl.dot(b_a, b_eb, input_precision=DOT_PREC), H, K)
+        tl.store(gcl + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(e_c), mask=o_k < K)
+    else:
+        o_v = (j - NK) * BV + tl.arange(0, BV)
+        b_wv = load_rows(w, row0 * V, o_t, o_v, L, H, V) * load_rows(v, row0 * V, o_t, o_v, L, H, V)
+        store_rows(u, row0 * V, o_t, o_v, L, tl.dot(b_a, b_wv.to(dt), input_precision=DOT_PREC), H, V)
 
 
-_SCAN_CONFIGS = [
+SCAN_CONFIGS = [
     triton.Config({"BV": 64}, num_warps=4, num_stages=3),
     triton.Config({"BV": 32}, num_warps=4, num_stages=3),
     triton.Config({"BV": 16}, num_warps=4, num_stages=3),
@@ -380,13 +388,13 @@ def scan_config(named: dict) -> triton.Config:
     size, v = int(named["SIZE"]), int(named["V"])
     # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles
     if named.get("DOT_PREC") != "ieee":
-        for cfg in _SCAN_CONFIGS[:2]:
+        for cfg in SCAN_CONFIGS[:2]:
             if size * triton.cdiv(v, cfg.kwargs["BV"]) >= 256:
                 return cfg
-    return _SCAN_CONFIGS[2]
+    return SCAN_CONFIGS[2]
 
 
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_R"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_R"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
@@ -428,7 +436,7 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, sc
     tl.store(ht + p_s, b_h, mask=m_kv)
 
 
-@tuned(_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_state_scan_kernel(kt, r, gcl, h0, hbuf, cu, chunk_off, T, NT, SIZE,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
