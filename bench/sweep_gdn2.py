@@ -44,10 +44,10 @@ SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
         cfg(1, BK=32), cfg(1, BK=16), cfg(1, BK=64), cfg(1, 2, BK=32), cfg(2, BK=16)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
-        cfg(1, BK=32), cfg(1, BK=16), cfg(1, BK=64), cfg(2, BK=16), cfg(2, BK=32)]),
+        cfg(1, BK=32), cfg(1, 2, BK=32), cfg(1, BK=16), cfg(1, 2, BK=16), cfg(2, BK=32)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
-        cfg(8, 2, BK=64, BV=32), cfg(4, 2, BK=64, BV=32), cfg(8, 2, BK=64, BV=64), cfg(4, 2, BK=64, BV=64),
-        cfg(8, 2, BK=128, BV=32), cfg(4, 2, BK=32, BV=32), cfg(8, 3, BK=64, BV=32), cfg(4, 3, BK=128, BV=64)]),
+        cfg(4, 3, BK=32, BV=64), cfg(4, 2, BK=32, BV=64), cfg(4, 3, BK=32, BV=32), cfg(8, 3, BK=64, BV=64),
+        cfg(8, 2, BK=64, BV=64), cfg(4, 2, BK=64, BV=64), cfg(8, 2, BK=128, BV=64)]),
     "fwd_scan": (fwd_mod, "gdn2_fwd_scan_kernel", [
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 3, BV=128)]),
     "state_scan": (fwd_mod, "gdn2_state_scan_kernel", [
