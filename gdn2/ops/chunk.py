@@ -30,7 +30,7 @@ def _size_bucket(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _chunk_operands(q, k, g, b, v, w, amat, lay: ChunkLayout, with_u: bool):
+def chunk_operands(q, k, g, b, v, w, amat, lay: ChunkLayout, with_u: bool):
     """Y, Kt, Qg (like q), exp2(G_C) (fp32 [NC, H, K]) and, ``with_u``, U (like v; else None) from A
     (see ``gdn2_prep_kernel``)."""
     TT, H, K = q.shape
@@ -62,7 +62,7 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
             q, k, g, b, aqk, amat, steep, cu, info, scale, lay.T, lay.NT,
             H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact,
             DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
-    return (aqk, amat) + _chunk_operands(q, k, g, b, v, w, amat, lay, with_u=True)
+    return (aqk, amat) + chunk_operands(q, k, g, b, v, w, amat, lay, with_u=True)
 
 
 def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay: ChunkLayout,
@@ -91,6 +91,22 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     return o, (ht if output_final_state else None), saved
 
 
+def chunk_start_states(kt, rbuf, gcl, initial_state, lay: ChunkLayout) -> torch.Tensor:
+    """The state at every chunk start ([NC, H, K, V] in R's dtype), rebuilt from the R the training
+    forward saved and the prep kernel's Kt and exp2(G_C): the forward scan's state update alone."""
+    TT, H, K = kt.shape
+    V = rbuf.shape[-1]
+    hbuf = torch.empty(lay.NC, H, K, V, device=kt.device, dtype=rbuf.dtype)
+    h0 = initial_state if initial_state is not None else torch.zeros(lay.N, H, K, V, device=kt.device,
+                                                                       dtype=torch.float32)
+    cu, _, off = lay.kernel_args(gcl)
+    gdn2_state_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
+        kt, rbuf, gcl, h0, hbuf, cu, off, lay.T, lay.NT, _size_bucket(lay.N * H),
+        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=dot_precision(kt.dtype),
+        BT=CHUNK)
+    return hbuf
+
+
 def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: ChunkLayout,
                   need_dh0: bool, qk_grad_dtype: torch.dtype):
     """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`, given
@@ -104,15 +120,9 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
     aqk, amat, rbuf = saved
-    y, kt, qg, _, gcl = _chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
+    y, kt, qg, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
     cu, info, off = lay.kernel_args(gcl)
-    # the state at every chunk start, rebuilt from R (the forward scan's state update alone)
-    hbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
-    h0 = initial_state if initial_state is not None else torch.zeros(lay.N, H, K, V, device=dev,
-                                                                       dtype=torch.float32)
-    gdn2_state_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        kt, rbuf, gcl, h0, hbuf, cu, off, lay.T, lay.NT, _size_bucket(lay.N * H),
-        H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)
+    hbuf = chunk_start_states(kt, rbuf, gcl, initial_state, lay)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     dr = torch.empty(TT, H, V, device=dev, dtype=dt)
     dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)

@@ -6,14 +6,15 @@ same cases also run in bf16 at K = V = 128. Loss for the gradients: sum(o * do) 
 Tolerances (relative Frobenius error, OPERATOR.md section 4): fp32 1e-4 for every quantity; bf16
 5e-3 (o, state), 1e-2 (dq, dk, dv, dh0), 2e-2 (dg, db, dw). fp16 has no row in the spec: its unit
 roundoff (2^-11) is 8x below bf16's, and the kernels round the matmul operands (and the per-chunk
-state checkpoints) to it, so errors measure 4e-4 to 9e-4 at these shapes; 3e-3 holds them with margin
+rebuilt per-chunk states) to it, so errors measure 4e-4 to 9e-4 at these shapes; 3e-3 holds them with margin
 while still catching any algebra slip (those give errors of order 1e-1).
 """
 
 import pytest
 import torch
 
-from gdn2.ops.chunk import chunk_gdn2_triton
+from gdn2.ops.chunk import chunk_gdn2_triton, chunk_operands, chunk_start_states, gdn2_forward
+from gdn2.ops.gdn2_triton_utils import chunk_layout
 from gdn2.ops.reference import recurrent_gdn2_reference
 from gdn2.ops.testing import gdn2_inputs, rel_err
 
@@ -185,3 +186,32 @@ def test_inference_path_equals_training_path():
     o2, s2 = chunk_gdn2_triton(*leaves, 0.25, h0, True, True, cu)
     assert o2.requires_grad and not o1.requires_grad
     assert rel_err(o1, o2) < 1e-6 and rel_err(s1, s2) < 1e-6
+
+
+@pytest.mark.parametrize("cu", [None, [0, 70, 200]], ids=["fixed", "varlen"])
+def test_backward_rebuilds_the_states_at_every_chunk_start(cu):
+    """The backward keeps no state checkpoints: it rebuilds the state at every chunk start from the
+    saved A and R (prep kernel, then the state scan). Each must equal the recurrence's state after
+    that many tokens of its sequence."""
+    B, T, H, K, V = (2, 200, 2, 16, 16) if cu is None else (1, 200, 2, 16, 16)
+    ins, h0, _, _, cu_t = make_case(B, T, H, K, V, torch.float32, True, True, cu, seed=21)
+    q, k, v, g, b, w = (t.reshape(B * T, H, t.shape[-1]).contiguous() for t in ins)
+    lay = chunk_layout(B, T, cu_t, q.device)
+    _, _, (_, amat, rbuf) = gdn2_forward(q, k, v, g, b, w, K ** -0.5, h0, False, lay, for_backward=True)
+    _, kt, _, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
+    hbuf = chunk_start_states(kt, rbuf, gcl, h0, lay)
+    starts = cu if cu is not None else [n * T for n in range(B + 1)]
+    c = 0
+    for n in range(len(starts) - 1):
+        for t0 in range(0, starts[n + 1] - starts[n], 64):
+            if t0 == 0:
+                want = h0[n]
+            else:
+                lo = starts[n]
+                seq = [x.reshape(B * T, H, -1)[lo:lo + t0].unsqueeze(0) for x in ins]
+                _, s = recurrent_gdn2_reference(*(x.double() for x in seq), K ** -0.5, h0[n:n + 1].double(),
+                                                True, False, None)
+                want = s[0]
+            assert rel_err(hbuf[c], want) < 1e-4, (n, t0)
+            c += 1
+    assert c == lay.NC
