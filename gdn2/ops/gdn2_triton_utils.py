@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("GDN2_AUTOTUNE", "0") == "1"
@@ -205,7 +206,8 @@ class Tuned:
     ``clip`` maps a block-size meta-parameter to the kernel argument that bounds it (e.g.
     ``{"BK": "KP"}``): configs are clipped to that bound, so small heads do not compile oversized
     tiles. ``GDN2_SKIP_CONFIGS="kernel:i,kernel:j"`` drops configs by index, for a Triton build that
-    cannot compile one of them.
+    cannot compile one of them. A launch whose pipeline needs more shared memory than the GPU has is
+    retried with fewer stages.
     """
 
     def __init__(self, fn, configs, key, clip=None, pick=None):
@@ -214,6 +216,7 @@ class Tuned:
         self.configs = [c for i, c in enumerate(configs) if f"{fn.__name__}:{i}" not in skip] or configs[:1]
         self.clip = clip or {}
         self.pick = pick
+        self._stages = {}  # pipeline depth that fitted, per (config, input dtypes)
         self.direct = INTERPRET or not AUTOTUNE or len(self.configs) == 1
         if not self.direct:
             def bench(kernel_call, quantiles):
@@ -256,7 +259,20 @@ class Tuned:
             g = grid(cfg.kwargs) if callable(grid) else grid
             if INTERPRET:
                 return self.fn[g](*args, **kwargs, **cfg.kwargs)
-            return self.fn[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            # a pipeline that does not fit this GPU's shared memory (fp32 inputs, smaller GPUs) runs with
+            # fewer stages; the number that fits is remembered per config and input dtypes
+            sig = (str(cfg), tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))
+            stages = self._stages.get(sig, cfg.num_stages)
+            while True:
+                try:
+                    out = self.fn[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=stages)
+                except OutOfResources:
+                    if stages <= 1:
+                        raise
+                    stages -= 1
+                    continue
+                self._stages[sig] = stages
+                return out
 
         return launch
 

@@ -1,0 +1,69 @@
+"""Launch helpers of the GDN-2 kernels: pinned configs, clipping, and the shared-memory fallback."""
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+import gdn2.ops.gdn2_triton_utils as tu
+
+
+class FakeKernel:
+    """Stands in for a compiled Triton kernel: records each launch and, like Triton at load time,
+    refuses pipelines deeper than ``fits`` stages with OutOfResources."""
+
+    __name__ = "fake_kernel"
+    arg_names = ["x", "n", "BK"]
+
+    def __init__(self, fits):
+        self.fits = fits
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append((grid, kwargs["BK"], kwargs["num_stages"]))
+            if kwargs["num_stages"] > self.fits:
+                raise OutOfResources(200_000 * kwargs["num_stages"], 232_448, "shared memory")
+            return "ran"
+        return run
+
+
+def compiled_mode(monkeypatch):
+    # the launcher's GPU branch (with num_warps / num_stages), whatever the test machine
+    monkeypatch.setattr(tu, "INTERPRET", False)
+
+
+def test_pipeline_that_does_not_fit_runs_with_fewer_stages_and_is_remembered(monkeypatch):
+    compiled_mode(monkeypatch)
+    fake = FakeKernel(fits=2)
+    kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=4)], key=["n"])
+    x = torch.zeros(4)
+    assert kern[(3,)](x, 7) == "ran"
+    assert [s for _, _, s in fake.launches] == [4, 3, 2]
+    fake.launches.clear()
+    assert kern[(3,)](x, 7) == "ran"
+    assert [s for _, _, s in fake.launches] == [2]  # no second round of failures
+    # other input dtypes get their own trial
+    fake.launches.clear()
+    kern[(3,)](x.double(), 7)
+    assert [s for _, _, s in fake.launches] == [4, 3, 2]
+
+
+def test_out_of_resources_at_one_stage_is_raised(monkeypatch):
+    compiled_mode(monkeypatch)
+    fake = FakeKernel(fits=0)
+    kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=2)], key=["n"])
+    try:
+        kern[(1,)](torch.zeros(1), 1)
+    except OutOfResources:
+        pass
+    else:
+        raise AssertionError("expected OutOfResources")
+    assert [s for _, _, s in fake.launches] == [2, 1]
+
+
+def test_pinned_config_is_clipped_and_grid_sees_it(monkeypatch):
+    compiled_mode(monkeypatch)
+    fake = FakeKernel(fits=3)
+    kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=3)], key=["n"], clip={"BK": "n"})
+    kern[lambda meta: (100 // meta["BK"],)](torch.zeros(1), 16)
+    assert fake.launches == [((6,), 16, 3)]
