@@ -29,7 +29,7 @@ import triton.language as tl
 
 from gdn2.ops.gdn2_chunk_fwd import LOG2E, SCAN_CONFIGS, load_sub_chunk, scan_config, sub_chunk_factors
 from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
-                                        scan_program, store_rows, tuned)
+                                        scan_chunk, scan_program, store_chunk_state, store_rows, tuned)
 
 
 @tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
@@ -51,13 +51,8 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
     b_dh = tl.load(dht + p_s, mask=m_kv, other=0.0)
     n_t = tl.cdiv(eos - bos, BT)
     for i_r in range(0, n_t):
-        i_t = n_t - 1 - i_r
-        t0 = bos + i_t * BT
-        m_t = o_t < eos - t0
-        row0 = t0.to(tl.int64) * H + i_h
-        i_c = (c0 + i_t).to(tl.int64)
-        tl.store(dhbuf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]),
-                 b_dh.to(dhbuf.dtype.element_ty), mask=m_kv)
+        m_t, row0, i_c = scan_chunk(bos, eos, c0, n_t - 1 - i_r, i_h, H, BT)
+        store_chunk_state(dhbuf, i_c, i_h, o_k, o_v, m_kv, b_dh, H, K, V)
         p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(dt)
@@ -205,9 +200,6 @@ def offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, rho, dq_i, d
     return dq_i, dbk_i, dk_j
 
 
-# pinned first; ptxas (sm_90, triton 3.6, K = V = 128, bf16) spills per thread: BK 64 / BV 32 / 8 warps
-# none; BK 32 / BV 64 / 8 warps 16 B; BK 32 / BV 32 / 4 warps 56 B. BK 64 halves the programs that
-# re-read a chunk's dO, R, dR, dAqk, dT.
 @triton.jit
 def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_dq_i, b_dbk, b_dkc, b_G, e3,
                 i_c, i_h, row0, base, o_k, L, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

@@ -34,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, key_block_program,
-                                        load_rows, row_of, scan_program, store_rows, tuned)
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, load_rows_t, row_of,
+                                        scan_chunk, scan_program, store_chunk_state, store_rows, tuned)
 
 
 @triton.jit
@@ -409,16 +409,12 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, sc
     # h0 / ht always exist (zeros / a scratch buffer when not asked for): fewer kernel variants
     b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        t0 = bos + i_t * BT
-        m_t = o_t < eos - t0
-        row0 = t0.to(tl.int64) * H + i_h
-        i_c = (c0 + i_t).to(tl.int64)
+        m_t, row0, i_c = scan_chunk(bos, eos, c0, i_t, i_h, H, BT)
         m_tk = m_t[:, None] & m_k[None, :]
         p_k = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
         b_y = tl.load(y + p_k, mask=m_tk, other=0.0)
         b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0)
-        b_ktt = tl.load(kt + row0 * K + (o_t[None, :] * (H * K) + o_k[:, None]), mask=m_t[None, :] & m_k[:, None],
-                        other=0.0)
+        b_ktt = load_rows_t(kt, row0, o_t, o_k, m_t, m_k, H, K)
         b_a = tl.load(aqk + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=m_t[:, None], other=0.0)
         p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
         m_tv = m_t[:, None] & m_v[None, :]
@@ -450,14 +446,9 @@ def gdn2_state_scan_kernel(kt, r, gcl, h0, hbuf, cu, chunk_off, T, NT, SIZE,
     m_kv = m_k[:, None] & m_v[None, :]
     b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        t0 = bos + i_t * BT
-        m_t = o_t < eos - t0
-        row0 = t0.to(tl.int64) * H + i_h
-        i_c = (c0 + i_t).to(tl.int64)
-        tl.store(hbuf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]),
-                 b_h.to(hbuf.dtype.element_ty), mask=m_kv)
-        b_ktt = tl.load(kt + row0 * K + (o_t[None, :] * (H * K) + o_k[:, None]), mask=m_t[None, :] & m_k[:, None],
-                        other=0.0)
+        m_t, row0, i_c = scan_chunk(bos, eos, c0, i_t, i_h, H, BT)
+        store_chunk_state(hbuf, i_c, i_h, o_k, o_v, m_kv, b_h, H, K, V)
+        b_ktt = load_rows_t(kt, row0, o_t, o_k, m_t, m_k, H, K)
         b_r = tl.load(r + row0 * V + (o_t[:, None] * (H * V) + o_v[None, :]), mask=m_t[:, None] & m_v[None, :],
                       other=0.0)
         b_gl = tl.load(gcl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)

@@ -146,6 +146,28 @@ def scan_program(cu, chunk_off, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.c
     return i_h, bos, eos, c0, o_k, o_k < K, o_v, o_v < V, p_s
 
 
+@triton.jit
+def scan_chunk(bos, eos, c0, i_t, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_t of a scan program's sequence: the mask of its valid rows ([BT]), the (token, head) row
+    of its first token and its global chunk index (both int64)."""
+    t0 = bos + i_t * BT
+    return tl.arange(0, BT) < eos - t0, t0.to(tl.int64) * H + i_h, (c0 + i_t).to(tl.int64)
+
+
+@triton.jit
+def store_chunk_state(buf, i_c, i_h, o_k, o_v, m_kv, x, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """This program's [KP, BV] slice of chunk i_c's state in an [NC, H, K, V] buffer, in its dtype."""
+    tl.store(buf + (i_c * H + i_h) * K * V + (o_k[:, None] * V + o_v[None, :]), x.to(buf.dtype.element_ty),
+             mask=m_kv)
+
+
+@triton.jit
+def load_rows_t(ptr, row0, o_t, o_k, m_t, m_k, H: tl.constexpr, K: tl.constexpr):
+    """A chunk's [BT, KP] tile of a token-major [TT, H, K] tensor, transposed ([KP, BT]) by the load."""
+    return tl.load(ptr + row0 * K + (o_t[None, :] * (H * K) + o_k[:, None]), mask=m_t[None, :] & m_k[:, None],
+                   other=0.0)
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile helpers for the 16-row sub-chunks of a 64-row chunk
 # --------------------------------------------------------------------------------------------------
