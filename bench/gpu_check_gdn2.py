@@ -400,7 +400,10 @@ def _probe_one(job):
             target = GPUTarget("cuda", 90, 32)
         else:
             target = triton.runtime.driver.active.get_current_target()
-        k = triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.maxnreg is not None:
+            opts["maxnreg"] = cfg.maxnreg
+        k = triton.compile(src, target=target, options=opts)
         if aot:
             regs, spills = _ptxas_usage(k.asm["ptx"])
         else:
@@ -417,8 +420,9 @@ def _probe_one(job):
 _VARIANTS = [("gdn2_intra_kernel", dict(EXACT=False)), ("gdn2_intra_kernel", dict(EXACT=True)),
              ("gdn2_fwd_scan_kernel", dict(SAVE_R=True)), ("gdn2_fwd_scan_kernel", dict(SAVE_R=False)),
              ("gdn2_state_scan_kernel", {}), ("gdn2_prep_kernel", dict(WITH_U=1)), ("gdn2_prep_kernel", dict(WITH_U=0)),
-             ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", dict(EXACT=False)),
-             ("gdn2_bwd_intra_kernel", dict(EXACT=True)),
+             ("gdn2_bwd_scan_kernel", {}), ("gdn2_bwd_wy_kernel", {}), ("gdn2_bwd_intra_kernel", dict(EXACT=False, SIDE=0)),
+             ("gdn2_bwd_intra_kernel", dict(EXACT=False, SIDE=1)), ("gdn2_bwd_intra_kernel", dict(EXACT=True, SIDE=0)),
+             ("gdn2_bwd_intra_kernel", dict(EXACT=True, SIDE=1)),
              ("gdn2_bwd_qkbg_kernel", {})]
 
 

@@ -35,19 +35,22 @@ from profiling import kernel_times  # noqa: E402
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 
 
-def cfg(w, s=1, **kw):
-    return triton.Config(kw, num_warps=w, num_stages=s)
+def cfg(w, s=1, r=None, **kw):
+    return triton.Config(kw, num_warps=w, num_stages=s, maxnreg=r)
 
 
 # short name -> (module, kernel attribute, configs to try; the first is the pinned one)
 SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
-        cfg(1, BK=32), cfg(1, BK=16), cfg(1, BK=64), cfg(1, 2, BK=32), cfg(2, BK=16)]),
+        cfg(1, 2, BK=32), cfg(1, 2, r=192, BK=32), cfg(1, 2, r=160, BK=32), cfg(1, 2, r=128, BK=32), cfg(1, BK=16),
+        cfg(1, 2, r=128, BK=16)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
-        cfg(1, BK=32), cfg(1, 2, BK=32), cfg(1, BK=16), cfg(1, 2, BK=16), cfg(2, BK=32)]),
+        cfg(1, BK=32), cfg(1, r=192, BK=32), cfg(1, r=160, BK=32), cfg(1, r=128, BK=32), cfg(1, r=128, BK=16),
+        cfg(1, BK=16)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
-        cfg(4, 3, BK=32, BV=64), cfg(4, 2, BK=32, BV=64), cfg(4, 3, BK=32, BV=32), cfg(8, 3, BK=64, BV=64),
-        cfg(8, 2, BK=64, BV=64), cfg(4, 2, BK=64, BV=64), cfg(8, 2, BK=128, BV=64)]),
+        cfg(4, 3, BK=32, BV=64), cfg(4, 2, r=168, BK=32, BV=64), cfg(4, 2, r=128, BK=32, BV=64),
+        cfg(4, 3, r=128, BK=32, BV=32), cfg(4, 2, r=96, BK=32, BV=32), cfg(8, 2, r=128, BK=64, BV=64),
+        cfg(8, 3, BK=64, BV=64)]),
     "fwd_scan": (fwd_mod, "gdn2_fwd_scan_kernel", [
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 3, BV=128)]),
     "state_scan": (fwd_mod, "gdn2_state_scan_kernel", [
@@ -58,7 +61,7 @@ SWEEPS = {
     "bwd_scan": (bwd_mod, "gdn2_bwd_scan_kernel", [
         cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32)]),
     "wy": (bwd_mod, "gdn2_bwd_wy_kernel", [
-        cfg(4, 3, BV=128), cfg(8, 3, BV=128), cfg(4, 2, BV=64)]),
+        cfg(4, 3, BV=128), cfg(4, 2, r=128, BV=128), cfg(4, 2, r=128, BV=64), cfg(8, 3, BV=128)]),
 }
 
 
@@ -100,7 +103,7 @@ def main():
                 print(f"[{short}] budget reached", flush=True)
                 break
             kern.configs, kern.direct, kern.pick = [c], True, None
-            label = f"{short} {c.kwargs} w{c.num_warps} s{c.num_stages}"
+            label = f"{short} {c.kwargs} w{c.num_warps} s{c.num_stages}" + (f" r{c.maxnreg}" if c.maxnreg else "")
             ts = time.time()
             try:
                 o = step().detach().float()

@@ -143,13 +143,16 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     dqi = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     dbki = torch.empty_like(dqi)
     dki = torch.empty_like(dqi)
-    # one flag per program (at most one per chunk, head and key channel); as in the forward, the programs
-    # flagged by the first launch run again with the exact diagonal path
-    steep = torch.empty(lay.NC * K, H, device=dev, dtype=torch.int32)
+    # row side (dqi, dbki) and column side (dki) in separate launches; one flag per program and side (at
+    # most one per chunk, head and key channel); as in the forward, the programs flagged by the first
+    # launch of a side run again with the exact diagonal path
+    steep = torch.empty(2, lay.NC * K, H, device=dev, dtype=torch.int32)
     for exact in (False, True):
-        gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-            q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, info, lay.T, lay.NT,
-            H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact, DOT_PREC=prec, BT=CHUNK, BC=SUB)
+        for side in (0, 1):
+            gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
+                q, k, b, g, daqk, dtm, dqi, dbki, dki, steep[side], cu, info, lay.T, lay.NT,
+                H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact, SIDE=side, DOT_PREC=prec, BT=CHUNK,
+                BC=SUB)
     del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)

@@ -262,8 +262,9 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
 
 
 # pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program); measured at
-# 8 x 4096 x 16 (H200, bf16): BK 32 / 1 warp 1.52 ms, BK 16 / 1 warp 1.53 ms, BK 32 / 2 warps 1.55 ms,
-# BK 16 / 2 warps 2.34 ms, BK 64 / 1 warp 2.80 ms
+# 8 x 4096 x 16 (H200, bf16), both sides' four launches together: BK 32 / 1 warp 1.41 ms (2 stages
+# equal), BK 16 / 1 warp 2.22 ms, BK 32 / 2 warps 2.43 ms; a register cap (maxnreg 192 / 160 / 128, more
+# programs per SM, more spills) 1.57 / 1.49 / 1.71 ms. Fused sides (one launch storing all three): 1.54 ms
 _BWD_INTRA_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=1),
     triton.Config({"BK": 16}, num_warps=2, num_stages=1),
@@ -271,12 +272,12 @@ _BWD_INTRA_CONFIGS = [
 ]
 
 
-@tuned(_BWD_INTRA_CONFIGS, key=["H", "K", "EXACT"], clip={"BK": "KP"})
+@tuned(_BWD_INTRA_CONFIGS, key=["H", "K", "EXACT", "SIDE"], clip={"BK": "KP"})
 @triton.jit(do_not_specialize=["T", "NT"])
 def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT,
                           H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          BK: tl.constexpr):
+                          EXACT: tl.constexpr, SIDE: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr):
     """One chunk, one head, one key block: the intra-chunk gradients through Aqk and T (grid: chunks *
     key blocks, heads), fp32 [TT, H, K] each: dqi (unscaled by ``scale``: dAqk carries it), d(b*k)
     in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
@@ -284,21 +285,34 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chun
     exact column path). Launched twice, like ``gdn2_intra_kernel``: anchored diagonal blocks
     everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per program),
     then those programs again with the exact path.
+
+    Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), SIDE 1 the column
+    side (dki). A side stores only its own outputs, so the compiler drops the other side's products and
+    the sub-chunk tiles only it keeps live (the fused kernel spilled); each side reloads the inputs.
     """
     if EXACT:
         if tl.load(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) != 0:
             intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, True,
-                       DOT_PREC, BT, BC, BK)
+                       SIDE, DOT_PREC, BT, BC, BK)
     else:
         intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, False,
-                   DOT_PREC, BT, BC, BK)
+                   SIDE, DOT_PREC, BT, BC, BK)
+
+
+@triton.jit
+def store_row_side(dqi, dbki, base, rows, o_k, L, dq, dbk, H: tl.constexpr, K: tl.constexpr, SIDE: tl.constexpr):
+    """A finished sub-chunk's row-side gradients, stored by the row-side launch only."""
+    if SIDE == 0:
+        store_rows(dqi, base, rows, o_k, L, dq, H, K)
+        store_rows(dbki, base, rows, o_k, L, dbk, H, K)
 
 
 @triton.jit
 def intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
-               K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
-               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block."""
+               K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, SIDE: tl.constexpr,
+               DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block: row-side
+    outputs with SIDE 0, column-side ones with SIDE 1 (the other side's work is dead code)."""
     _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
@@ -308,23 +322,20 @@ def intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, 
     a0 = tl.zeros([BK], dtype=tl.float32)
     qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0, ok0 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
-    store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
-    store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
+    store_row_side(dqi, dbki, base, o_c, o_k, L, dq0, dbk0, H, K, SIDE)
     qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1, ok1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
     dq1, dbk1, dk0 = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, dq1, dbk1, dk0, o_c, L, H, dt,
                                   DOT_PREC, BT, BC)
-    store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
-    store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
+    store_row_side(dqi, dbki, base, BC + o_c, o_k, L, dq1, dbk1, H, K, SIDE)
     qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2, ok2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq2, dbk2, dk1 = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, dq2, dbk2, dk1, o_c, L, H, dt,
                                   DOT_PREC, BT, BC)
     dq2, dbk2, dk0 = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), dq2, dbk2, dk0,
                                   o_c, L, H, dt, DOT_PREC, BT, BC)
-    store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
-    store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
+    store_row_side(dqi, dbki, base, 2 * BC + o_c, o_k, L, dq2, dbk2, H, K, SIDE)
     qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3, ok3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq3, dbk3, dk2 = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, dq3, dbk3, dk2, o_c, L, H, dt,
@@ -333,12 +344,12 @@ def intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, 
                                   o_c, L, H, dt, DOT_PREC, BT, BC)
     dq3, dbk3, dk0 = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), dq3, dbk3, dk0,
                                   o_c, L, H, dt, DOT_PREC, BT, BC)
-    store_rows(dqi, base, 3 * BC + o_c, o_k, L, dq3, H, K)
-    store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3, H, K)
-    store_rows(dki, base, o_c, o_k, L, dk0, H, K)
-    store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
-    store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
-    store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
+    store_row_side(dqi, dbki, base, 3 * BC + o_c, o_k, L, dq3, dbk3, H, K, SIDE)
+    if SIDE == 1:
+        store_rows(dki, base, o_c, o_k, L, dk0, H, K)
+        store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
+        store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
+        store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
     if not EXACT:
         slow = (1 - ok0) | (1 - ok1) | (1 - ok2) | (1 - ok3)
         tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)

@@ -253,14 +253,14 @@ class Tuned:
         for meta, bound in self.clip.items():
             if meta in kw and bound in args:
                 kw[meta] = min(kw[meta], int(args[bound]))
-        return triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
 
     def _prune(self, configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         out, seen = [], set()
         for cfg in configs:
             c = self._clipped(cfg, args)
-            sig = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+            sig = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages, c.maxnreg)
             if sig not in seen:
                 seen.add(sig)
                 out.append(c)
@@ -285,9 +285,11 @@ class Tuned:
             # fewer stages; the number that fits is remembered per config and input dtypes
             sig = (str(cfg), tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))
             stages = self._stages.get(sig, cfg.num_stages)
+            # a register cap (ptx .maxnreg) trades spills for occupancy; only passed where a config sets one
+            cap = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
             while True:
                 try:
-                    out = self.fn[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=stages)
+                    out = self.fn[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=stages, **cap)
                 except OutOfResources:
                     if stages <= 1:
                         raise
