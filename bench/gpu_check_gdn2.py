@@ -374,7 +374,7 @@ def _probe_one(job):
         cfg = tuned.configs[idx]
         fn = tuned.fn
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
-        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "daqk", "dtm", "dg", "dq", "dk", "dqi", "dbki", "dki"}
+        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "dg", "dq", "dk", "dqi", "dbki", "dki"}
         ints = {"T", "NT", "SIZE"}
         consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False,
                       SAVE_R=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")

@@ -42,8 +42,8 @@ def cfg(w, s=1, r=None, **kw):
 # short name -> (module, kernel attribute, configs to try; the first is the pinned one)
 SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
-        cfg(1, 2, BK=32), cfg(1, 2, r=192, BK=32), cfg(1, 2, r=160, BK=32), cfg(1, 2, r=128, BK=32), cfg(1, BK=16),
-        cfg(1, 2, r=128, BK=16)]),
+        cfg(1, 2, BK=32), cfg(1, BK=32), cfg(1, 2, BK=16), cfg(1, BK=16), cfg(1, 2, BK=64), cfg(2, 2, BK=32),
+        cfg(1, 2, r=192, BK=32)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
         cfg(1, BK=32), cfg(1, r=192, BK=32), cfg(1, r=160, BK=32), cfg(1, r=128, BK=32), cfg(1, r=128, BK=16),
         cfg(1, BK=16)]),

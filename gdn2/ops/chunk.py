@@ -134,8 +134,12 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     del y, kt, qg, aqk
     dv = torch.empty_like(v)
     dw = torch.empty_like(w)
-    daqk = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32)
-    dtm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32)
+    # dAqk and dT: bf16 for bf16 inputs (the intra-gradient kernels feed them to 16-bit products or widen
+    # them; the diagonal terms whose dg contributions cancel read the same rounded values on both sides),
+    # else fp32
+    sdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    daqk = torch.empty(TT, H, CHUNK, device=dev, dtype=sdt)
+    dtm = torch.empty(TT, H, CHUNK, device=dev, dtype=sdt)
     gdn2_bwd_wy_kernel[(lay.NC, H)](
         v, w, amat, rbuf, dr, do, dv, dw, daqk, dtm, cu, info, scale, lay.T, lay.NT,
         _size_bucket(lay.NC * H), H=H, V=V, VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=prec, BT=CHUNK)

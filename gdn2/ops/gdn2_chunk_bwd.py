@@ -88,7 +88,8 @@ _WY_CONFIGS = [
 def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info, scale, T, NT, SIZE,
                        H: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, IS_VARLEN: tl.constexpr,
                        DOT_PREC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
-    """One chunk, one head: dv, dw, and the fp32 [TT, H, 64] tiles dAqk (times scale) and dT."""
+    """One chunk, one head: dv, dw, and the [TT, H, 64] tiles dAqk (times scale) and dT (fp32 accumulators,
+    stored in the scratch dtype: bf16 for bf16 inputs, else fp32)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
@@ -119,8 +120,8 @@ def gdn2_bwd_wy_kernel(v, w, amat, r, dr, do, dv, dw, daqk, dtm, cu, chunk_info,
     b_daqk = tl.where((o_t[:, None] >= o_t[None, :]) & valid, b_daqk * scale, 0.0)
     b_dtm = tl.where((o_t[:, None] > o_t[None, :]) & valid, b_dtm, 0.0)
     p_a = row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :])
-    tl.store(daqk + p_a, b_daqk, mask=m_t[:, None])
-    tl.store(dtm + p_a, b_dtm, mask=m_t[:, None])
+    tl.store(daqk + p_a, b_daqk.to(daqk.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dtm + p_a, b_dtm.to(dtm.dtype.element_ty), mask=m_t[:, None])
 
 
 @triton.jit
@@ -153,8 +154,8 @@ def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.c
     b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
     b_bk = b_b * b_k
     b_fm, b_km, b_f, b_h = sub_chunk_factors(b_G, a, e, m, fast)
-    d_a = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, False)
-    d_t = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, False)
+    d_a = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, False).to(tl.float32)
+    d_t = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, False).to(tl.float32)
     if EXACT:
         if fast:
             b_dq, b_dbk, b_dk = anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i, o_c,
@@ -174,8 +175,8 @@ def anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i,
     x_k = b_k * b_km
     b_dq = b_fm * tl.dot(d_a, x_k, input_precision=DOT_PREC)
     b_dbk = b_fm * tl.dot(d_t, x_k, input_precision=DOT_PREC)
-    d_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True)
-    d_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True)
+    d_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True).to(tl.float32)
+    d_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True).to(tl.float32)
     b_dk = b_km * (tl.dot(d_at, b_q * b_fm, input_precision=DOT_PREC)
                    + tl.dot(d_tt, b_bk * b_fm, input_precision=DOT_PREC))
     return b_dq, b_dbk, b_dk
