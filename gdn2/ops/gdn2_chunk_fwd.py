@@ -378,20 +378,30 @@ SCAN_CONFIGS = [
 ]
 
 
-def scan_config(named: dict) -> triton.Config:
-    """Value block of the scans: the widest of BV 64, 32, 16 that still gives at least 256 programs
-    (about two per SM), else BV 16. The scan is a chain of per-chunk steps, so at few sequences x heads
-    splitting V is the only parallelism; with enough of them wider blocks do fewer, larger products.
-    Measured at 8 x 4096 x 16 (H200, bf16; 256 programs at BV 64), 4 warps: forward scan BV 64 0.42 ms
-    with 2 stages, 0.335 ms with 3 (BV 32: 0.62 / 0.40 ms; 8 warps at BV 64: 0.52 ms); state scan BV 64
-    0.173 / 0.155 ms."""
-    size, v = int(named["SIZE"]), int(named["V"])
-    # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles
-    if named.get("DOT_PREC") != "ieee":
-        for cfg in SCAN_CONFIGS[:2]:
-            if size * triton.cdiv(v, cfg.kwargs["BV"]) >= 256:
-                return cfg
-    return SCAN_CONFIGS[2]
+def scan_picker(min_programs: int):
+    """Value block of a scan: the widest of BV 64, 32 that still gives at least ``min_programs``
+    programs, else BV 16. The scan is a chain of per-chunk steps, so at few sequences x heads splitting
+    V is the only parallelism; with enough of them wider blocks do fewer, larger products.
+
+    Measured on the H200 (bf16, 4 warps, 3 stages, bench/sweep_gdn2.py --shape): the forward and
+    backward scans want BV 64 down to 128 programs (at 4 x 8192 x 16: forward 0.333 ms at BV 64 against
+    0.397 at BV 32, backward 0.356 against 0.477; at 8 x 4096 x 16, 256 programs: 0.333 / 0.356 ms),
+    and BV 16 below (1 x 32768 x 16: forward 0.686 / 0.732 / 1.100 ms at BV 16 / 32 / 64, backward
+    0.773 / 0.842 / 1.153). The lighter state scan (one product per chunk) wants 256 programs (4 x 8192:
+    0.198 ms at BV 32, 0.233 at BV 64; 1 x 32768: 0.543 at BV 16, 0.580 at BV 32)."""
+    def pick(named: dict) -> triton.Config:
+        size, v = int(named["SIZE"]), int(named["V"])
+        # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles
+        if named.get("DOT_PREC") != "ieee":
+            for cfg in SCAN_CONFIGS[:2]:
+                if size * triton.cdiv(v, cfg.kwargs["BV"]) >= min_programs:
+                    return cfg
+        return SCAN_CONFIGS[2]
+    return pick
+
+
+scan_config = scan_picker(128)
+state_scan_config = scan_picker(256)
 
 
 @tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_R"], clip={"BV": "VP"}, pick=scan_config)
@@ -432,7 +442,7 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, sc
     tl.store(ht + p_s, b_h, mask=m_kv)
 
 
-@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=state_scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_state_scan_kernel(kt, r, gcl, h0, hbuf, cu, chunk_off, T, NT, SIZE,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,

@@ -18,10 +18,12 @@ class FakeKernel:
     def __init__(self, fits):
         self.fits = fits
         self.launches = []
+        self.caps = []
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.launches.append((grid, kwargs["BK"], kwargs["num_stages"]))
+            self.caps.append(kwargs.get("maxnreg", "absent"))
             if kwargs["num_stages"] > self.fits:
                 raise OutOfResources(200_000 * kwargs["num_stages"], 232_448, "shared memory")
             return "ran"
@@ -64,3 +66,27 @@ def test_pinned_config_is_clipped_and_grid_sees_it(monkeypatch):
     kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=3)], key=["n"], clip={"BK": "n"})
     kern[lambda meta: (100 // meta["BK"],)](torch.zeros(1), 16)
     assert fake.launches == [((6,), 16, 3)]
+
+
+def test_register_cap_is_passed_only_when_a_config_sets_one(monkeypatch):
+    compiled_mode(monkeypatch)
+    fake = FakeKernel(fits=3)
+    for cap, seen in ((None, "absent"), (160, 160)):
+        kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=1, num_stages=1, maxnreg=cap)], key=["n"],
+                        clip={"BK": "n"})
+        kern[(1,)](torch.zeros(1), 32)  # clipping keeps the cap
+        assert fake.caps[-1] == seen
+
+
+def test_scan_value_block_follows_the_number_of_programs():
+    from gdn2.ops.gdn2_chunk_fwd import scan_config, state_scan_config
+
+    def bv(pick, size, prec="tf32"):
+        return pick(dict(SIZE=size, V=128, DOT_PREC=prec)).kwargs["BV"]
+
+    # forward / backward scans: BV 64 down to 128 programs, then 32, else 16
+    assert [bv(scan_config, s) for s in (128, 64, 32, 16, 8)] == [64, 64, 32, 16, 16]
+    # the state scan wants 256 programs
+    assert [bv(state_scan_config, s) for s in (128, 64, 32, 16)] == [64, 32, 16, 16]
+    # fp32 inputs (ieee products) always take the smallest tile
+    assert bv(scan_config, 128, "ieee") == 16
