@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gdn2.ops.gdn2_chunk_fwd import LOG2E, SCAN_CONFIGS, load_sub_chunk, scan_config, sub_chunk_factors
-from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows,
+from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows, row_of,
                                         scan_chunk, scan_program, store_chunk_state, store_rows, tuned)
 
 
@@ -183,22 +183,17 @@ def anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i,
 
 
 @triton.jit
-def offdiag_grad(daqk, dtm, row0, i, j, qf_i, bf_i, kh_j, f_i, h_j, rho, dq_i, dbk_i, dk_j, o_c, L,
-                 H: tl.constexpr, op_dt: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
-                 BC: tl.constexpr):
-    """Block (i, j), i > j, of Aqk and T differentiated: its contributions added to the accumulators
-    (dq_i, d(b*k)_i, dk_j), which it returns, with operands in ``op_dt`` (the input dtype, as in the
-    forward). ``rho`` = exp2(a_i - e_j) <= 1 links the two sub-chunks' anchors."""
+def offdiag_row_grad(daqk, dtm, row0, i, j, kh_j, f_i, rho, dq_i, dbk_i, o_c, L, H: tl.constexpr,
+                     op_dt: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Row side of block (i, j), i > j, of Aqk and T differentiated: its contributions added to the
+    accumulators (dq_i, d(b*k)_i), which it returns, with operands in ``op_dt`` (the input dtype, as in
+    the forward). ``rho`` = exp2(a_i - e_j) <= 1 links the two sub-chunks' anchors."""
     d_a = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
     d_t = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, False).to(op_dt)
     x_k = (kh_j * rho[None, :]).to(op_dt)
     dq_i = dq_i + f_i * tl.dot(d_a, x_k, input_precision=DOT_PREC)
     dbk_i = dbk_i + f_i * tl.dot(d_t, x_k, input_precision=DOT_PREC)
-    d_at = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
-    d_tt = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, True).to(op_dt)
-    dk_j = dk_j + h_j * (tl.dot(d_at, (qf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC)
-                         + tl.dot(d_tt, (bf_i * rho[None, :]).to(op_dt), input_precision=DOT_PREC))
-    return dq_i, dbk_i, dk_j
+    return dq_i, dbk_i
 
 
 @triton.jit
@@ -287,70 +282,108 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chun
     everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per program),
     then those programs again with the exact path.
 
-    Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), SIDE 1 the column
-    side (dki). A side stores only its own outputs, so the compiler drops the other side's products and
-    the sub-chunk tiles only it keeps live (the fused kernel spilled); each side reloads the inputs.
+    Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), walking the
+    sub-chunks in order; SIDE 1 the column side (dki), one sub-chunk j at a time against every later
+    one, so that one dk tile is live. Both sides in one kernel spilled (1816 B); apart, neither does,
+    at the price of reloading the inputs.
     """
     if EXACT:
         if tl.load(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) != 0:
-            intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, True,
-                       SIDE, DOT_PREC, BT, BC, BK)
+            intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN,
+                            True, SIDE, DOT_PREC, BT, BC, BK)
     else:
-        intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, False,
-                   SIDE, DOT_PREC, BT, BC, BK)
+        intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN,
+                        False, SIDE, DOT_PREC, BT, BC, BK)
 
 
 @triton.jit
-def store_row_side(dqi, dbki, base, rows, o_k, L, dq, dbk, H: tl.constexpr, K: tl.constexpr, SIDE: tl.constexpr):
-    """A finished sub-chunk's row-side gradients, stored by the row-side launch only."""
+def intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
+                    K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, SIDE: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block."""
     if SIDE == 0:
-        store_rows(dqi, base, rows, o_k, L, dq, H, K)
-        store_rows(dbki, base, rows, o_k, L, dbk, H, K)
+        intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, EXACT,
+                        DOT_PREC, BT, BC, BK)
+    else:
+        intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, EXACT,
+                           DOT_PREC, BT, BC, BK)
 
 
 @triton.jit
-def intra_grad(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
-               K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, SIDE: tl.constexpr,
-               DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block: row-side
-    outputs with SIDE 0, column-side ones with SIDE 1 (the other side's work is dead code)."""
+def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
+                       K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Column side, one sub-chunk j at a time: dk_j from its diagonal block, then from every later
+    sub-chunk i (reloaded, its decays taken against e_j: q_i exp2(G_i - e_j) <= q_i), so that only
+    one dk tile is live."""
     _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
+    a = tl.zeros([BK], dtype=tl.float32)
+    slow = 0
+    for j in range(0, BT // BC):
+        sub = grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, j, a, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
+        b_h = sub[4]
+        e = sub[6]
+        b_dk = sub[9]
+        ok = sub[10]
+        slow = slow | (1 - ok)
+        run = e
+        acc = tl.zeros([BC, BK], dtype=tl.float32)
+        for i in range(j + 1, BT // BC):
+            rows = i * BC + o_c
+            b_G = run[None, :] + tl.cumsum(load_rows(g, base, rows, o_k, L, H, K) * LOG2E, axis=0)
+            run = row_of(b_G, BC - 1, BC)
+            b_x = exp2_nonpos(b_G - e[None, :])
+            b_qx = load_rows(q, base, rows, o_k, L, H, K) * b_x
+            b_bkx = load_rows(b, base, rows, o_k, L, H, K) * load_rows(k, base, rows, o_k, L, H, K) * b_x
+            d_at = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, True).to(dt)
+            d_tt = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, True).to(dt)
+            acc += tl.dot(d_at, b_qx.to(dt), input_precision=DOT_PREC)
+            acc += tl.dot(d_tt, b_bkx.to(dt), input_precision=DOT_PREC)
+        store_rows(dki, base, j * BC + o_c, o_k, L, b_dk + b_h * acc, H, K)
+        a = e
+    if not EXACT:
+        tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)
 
-    # (sub-chunks spelled out: see gdn2_intra_kernel); a sub-chunk's dq and d(b*k) are complete once
-    # its own row of blocks is done, its dk once every later row is
+
+@triton.jit
+def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
+                    K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Row side: dq and d(b*k) of each sub-chunk i, complete once its own row of blocks is done, so the
+    sub-chunks are walked in order with the earlier ones' k*H tiles kept (spelled out: see
+    gdn2_intra_kernel)."""
+    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+    o_c = tl.arange(0, BC)
+    dt = q.dtype.element_ty
     a0 = tl.zeros([BK], dtype=tl.float32)
-    qf0, bf0, kh0, f0, h0, G0, e0, dq0, dbk0, dk0, ok0 = grad_sub_chunk(
+    _, _, kh0, _, _, _, e0, dq0, dbk0, _, ok0 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
-    store_row_side(dqi, dbki, base, o_c, o_k, L, dq0, dbk0, H, K, SIDE)
-    qf1, bf1, kh1, f1, h1, G1, e1, dq1, dbk1, dk1, ok1 = grad_sub_chunk(
+    store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
+    store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
+    _, _, kh1, f1, _, _, e1, dq1, dbk1, _, ok1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
-    dq1, dbk1, dk0 = offdiag_grad(daqk, dtm, row0, 1, 0, qf1, bf1, kh0, f1, h0, one, dq1, dbk1, dk0, o_c, L, H, dt,
-                                  DOT_PREC, BT, BC)
-    store_row_side(dqi, dbki, base, BC + o_c, o_k, L, dq1, dbk1, H, K, SIDE)
-    qf2, bf2, kh2, f2, h2, G2, e2, dq2, dbk2, dk2, ok2 = grad_sub_chunk(
+    dq1, dbk1 = offdiag_row_grad(daqk, dtm, row0, 1, 0, kh0, f1, one, dq1, dbk1, o_c, L, H, dt, DOT_PREC, BT, BC)
+    store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
+    store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
+    _, _, kh2, f2, _, _, e2, dq2, dbk2, _, ok2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
-    dq2, dbk2, dk1 = offdiag_grad(daqk, dtm, row0, 2, 1, qf2, bf2, kh1, f2, h1, one, dq2, dbk2, dk1, o_c, L, H, dt,
-                                  DOT_PREC, BT, BC)
-    dq2, dbk2, dk0 = offdiag_grad(daqk, dtm, row0, 2, 0, qf2, bf2, kh0, f2, h0, tl.exp2(e1 - e0), dq2, dbk2, dk0,
-                                  o_c, L, H, dt, DOT_PREC, BT, BC)
-    store_row_side(dqi, dbki, base, 2 * BC + o_c, o_k, L, dq2, dbk2, H, K, SIDE)
-    qf3, bf3, kh3, f3, h3, G3, e3, dq3, dbk3, dk3, ok3 = grad_sub_chunk(
+    dq2, dbk2 = offdiag_row_grad(daqk, dtm, row0, 2, 1, kh1, f2, one, dq2, dbk2, o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq2, dbk2 = offdiag_row_grad(daqk, dtm, row0, 2, 0, kh0, f2, tl.exp2(e1 - e0), dq2, dbk2, o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
+    store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
+    _, _, _, f3, _, _, _, dq3, dbk3, _, ok3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
-    dq3, dbk3, dk2 = offdiag_grad(daqk, dtm, row0, 3, 2, qf3, bf3, kh2, f3, h2, one, dq3, dbk3, dk2, o_c, L, H, dt,
-                                  DOT_PREC, BT, BC)
-    dq3, dbk3, dk1 = offdiag_grad(daqk, dtm, row0, 3, 1, qf3, bf3, kh1, f3, h1, tl.exp2(e2 - e1), dq3, dbk3, dk1,
-                                  o_c, L, H, dt, DOT_PREC, BT, BC)
-    dq3, dbk3, dk0 = offdiag_grad(daqk, dtm, row0, 3, 0, qf3, bf3, kh0, f3, h0, tl.exp2(e2 - e0), dq3, dbk3, dk0,
-                                  o_c, L, H, dt, DOT_PREC, BT, BC)
-    store_row_side(dqi, dbki, base, 3 * BC + o_c, o_k, L, dq3, dbk3, H, K, SIDE)
-    if SIDE == 1:
-        store_rows(dki, base, o_c, o_k, L, dk0, H, K)
-        store_rows(dki, base, BC + o_c, o_k, L, dk1, H, K)
-        store_rows(dki, base, 2 * BC + o_c, o_k, L, dk2, H, K)
-        store_rows(dki, base, 3 * BC + o_c, o_k, L, dk3, H, K)
+    dq3, dbk3 = offdiag_row_grad(daqk, dtm, row0, 3, 2, kh2, f3, one, dq3, dbk3, o_c, L, H, dt, DOT_PREC, BT, BC)
+    dq3, dbk3 = offdiag_row_grad(daqk, dtm, row0, 3, 1, kh1, f3, tl.exp2(e2 - e1), dq3, dbk3, o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    dq3, dbk3 = offdiag_row_grad(daqk, dtm, row0, 3, 0, kh0, f3, tl.exp2(e2 - e0), dq3, dbk3, o_c, L, H, dt,
+                                 DOT_PREC, BT, BC)
+    store_rows(dqi, base, 3 * BC + o_c, o_k, L, dq3, H, K)
+    store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3, H, K)
     if not EXACT:
         slow = (1 - ok0) | (1 - ok1) | (1 - ok2) | (1 - ok3)
         tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)
