@@ -14,9 +14,10 @@ so the gates stay inside the products without any transposed inverse. Kernels:
   re-run), then the state at every chunk start from the saved R;
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);
 - ``gdn2_bwd_wy_kernel`` (chunk-parallel): dv, dw, dAqk, dT;
-- ``gdn2_bwd_intra_kernel`` (chunk- and key-block-parallel, one warp): the gradients through the
-  pairwise decays of Aqk and T, block by block as the forward built them (16-row sub-chunks, the same
-  anchors and the same fast / exact diagonal paths), to fp32 scratch;
+- ``gdn2_bwd_intra_kernel`` (chunk- and key-block-parallel, one warp; row side and column side in
+  separate launches): the gradients through the pairwise decays of Aqk and T, block by block as the
+  forward built them (16-row sub-chunks, the same anchors and the same fast / exact diagonal paths), to
+  fp32 scratch;
 - ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg from those and the
   value-axis contractions, dg as a reverse cumulative sum of dG inside the chunk. For every pair the decay's gradient is +x*dx on the row side and -k*dk on the column
   side, so dG needs only the intra-chunk dq, d(b*k), dk tiles, whatever the factorisation.
