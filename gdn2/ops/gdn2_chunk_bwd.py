@@ -149,8 +149,9 @@ def diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC: tl.constexpr, BK: 
 def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.constexpr,
                    K: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
                    BC: tl.constexpr, BK: tl.constexpr):
-    """Sub-chunk i: gradients through its diagonal blocks (dq, d(b*k), dk, fp32 [BC, BK]), the tiles of
-    the off-diagonal products (q*F, b*k*F, k*H, F, H), G, e and ``fast``, as in ``intra_sub_chunk``:
+    """Sub-chunk i: gradients through its diagonal blocks (dq, d(b*k), dk, fp32 [BC, BK]), the factors
+    the off-diagonal blocks need (k*H and F for the row side, H for the column side), e and ``fast``
+    (int32), as in ``intra_sub_chunk``:
     the anchored product's gradient, except with EXACT where this key block is too steep for it."""
     b_q, b_k, b_b, b_G, e, m, fast = load_sub_chunk(q, k, b, g, base, i, a, o_c, o_k, L, H, K, BC)
     b_bk = b_b * b_k
@@ -166,7 +167,7 @@ def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.c
     else:
         b_dq, b_dbk, b_dk = anchored_diag_grad(b_q, b_k, b_bk, b_fm, b_km, d_a, d_t, daqk, dtm, row0, i, o_c,
                                                L, H, DOT_PREC, BT, BC)
-    return b_q * b_f, b_bk * b_f, b_k * b_h, b_f, b_h, b_G, e, b_dq, b_dbk, b_dk, fast.to(tl.int32)
+    return b_k * b_h, b_f, b_h, e, b_dq, b_dbk, b_dk, fast.to(tl.int32)
 
 
 @triton.jit
@@ -279,9 +280,9 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chun
     key blocks, heads), fp32 [TT, H, K] each: dqi (unscaled by ``scale``: dAqk carries it), d(b*k)
     in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
     the forward built them (16-row sub-chunks, the same anchors, the anchored diagonal product or the
-    exact column path). Launched twice, like ``gdn2_intra_kernel``: anchored diagonal blocks
-    everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per program),
-    then those programs again with the exact path.
+    exact column path). Each side is launched twice, like ``gdn2_intra_kernel``: anchored diagonal
+    blocks everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per
+    program and side), then those programs again with the exact path.
 
     Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), walking the
     sub-chunks in order; SIDE 1 the column side (dki), one sub-chunk j at a time against every later
@@ -323,11 +324,8 @@ def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT,
     a = tl.zeros([BK], dtype=tl.float32)
     slow = 0
     for j in range(0, BT // BC):
-        sub = grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, j, a, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
-        b_h = sub[4]
-        e = sub[6]
-        b_dk = sub[9]
-        ok = sub[10]
+        kh_j, f_j, b_h, e, dq_j, dbk_j, b_dk, ok = grad_sub_chunk(
+            q, k, b, g, daqk, dtm, base, row0, j, a, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
         slow = slow | (1 - ok)
         run = e
         acc = tl.zeros([BC, BK], dtype=tl.float32)
@@ -359,24 +357,24 @@ def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, 
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
     a0 = tl.zeros([BK], dtype=tl.float32)
-    _, _, kh0, _, _, _, e0, dq0, dbk0, _, ok0 = grad_sub_chunk(
+    kh0, _, _, e0, dq0, dbk0, _, ok0 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 0, a0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
     store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
-    _, _, kh1, f1, _, _, e1, dq1, dbk1, _, ok1 = grad_sub_chunk(
+    kh1, f1, _, e1, dq1, dbk1, _, ok1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
     dq1, dbk1 = offdiag_row_grad(daqk, dtm, row0, 1, 0, kh0, f1, one, dq1, dbk1, o_c, L, H, dt, DOT_PREC, BT, BC)
     store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
     store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
-    _, _, kh2, f2, _, _, e2, dq2, dbk2, _, ok2 = grad_sub_chunk(
+    kh2, f2, _, e2, dq2, dbk2, _, ok2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq2, dbk2 = offdiag_row_grad(daqk, dtm, row0, 2, 1, kh1, f2, one, dq2, dbk2, o_c, L, H, dt, DOT_PREC, BT, BC)
     dq2, dbk2 = offdiag_row_grad(daqk, dtm, row0, 2, 0, kh0, f2, tl.exp2(e1 - e0), dq2, dbk2, o_c, L, H, dt,
                                  DOT_PREC, BT, BC)
     store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
     store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
-    _, _, _, f3, _, _, _, dq3, dbk3, _, ok3 = grad_sub_chunk(
+    _, f3, _, _, dq3, dbk3, _, ok3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq3, dbk3 = offdiag_row_grad(daqk, dtm, row0, 3, 2, kh2, f3, one, dq3, dbk3, o_c, L, H, dt, DOT_PREC, BT, BC)
     dq3, dbk3 = offdiag_row_grad(daqk, dtm, row0, 3, 1, kh1, f3, tl.exp2(e2 - e1), dq3, dbk3, o_c, L, H, dt,
