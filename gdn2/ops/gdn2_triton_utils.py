@@ -180,11 +180,20 @@ def row_of(x, i, BT: tl.constexpr):
 
 
 @triton.jit
-def load_rows(ptr, base, rows, o_k, L, H: tl.constexpr, K: tl.constexpr):
-    """fp32 [len(rows), BK] tile of a token-major [TT, H, K] tensor; ``base`` is the (int64) element
-    offset of the chunk's first token for this head; rows at or past ``L`` load as zeros."""
+def load_rows_raw(ptr, base, rows, o_k, L, H: tl.constexpr, K: tl.constexpr):
+    """[len(rows), BK] tile of a token-major [TT, H, K] tensor in its own dtype; ``base`` is the (int64)
+    element offset of the chunk's first token for this head; rows at or past ``L`` load as zeros.
+
+    A kernel that needs several tiles issues all their loads before widening any of them, so that the
+    loads are in flight together rather than one round trip each."""
     msk = (rows < L)[:, None] & (o_k < K)[None, :]
-    return tl.load(ptr + base + (rows[:, None] * (H * K) + o_k[None, :]), mask=msk, other=0.0).to(tl.float32)
+    return tl.load(ptr + base + (rows[:, None] * (H * K) + o_k[None, :]), mask=msk, other=0.0)
+
+
+@triton.jit
+def load_rows(ptr, base, rows, o_k, L, H: tl.constexpr, K: tl.constexpr):
+    """``load_rows_raw`` widened to fp32."""
+    return load_rows_raw(ptr, base, rows, o_k, L, H, K).to(tl.float32)
 
 
 @triton.jit
