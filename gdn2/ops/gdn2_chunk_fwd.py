@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows, load_rows_raw,
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows_raw,
                                         load_rows_t, row_of, scan_chunk, scan_program, store_chunk_state, store_rows,
                                         tuned)
 
