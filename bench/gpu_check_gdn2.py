@@ -393,7 +393,11 @@ def _probe_one(job):
                 sig[a] = "*i32"
             else:
                 sig[a] = "*fp32" if a in fp32_ptrs else "*" + dt
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        # pointer arguments 16-byte aligned, as the launcher specialises them for torch's allocations:
+        # without it the axis analysis cannot vectorise the loads and the pipeliner leaves them synchronous,
+        # so registers and spills would be those of a different program
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=aligned)
         t = time.time()
         if aot:
             from triton.backends.compiler import GPUTarget
