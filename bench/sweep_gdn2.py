@@ -51,7 +51,7 @@ SWEEPS = {
         cfg(4, 3, BK=32, BV=64), cfg(4, 3, BK=32, BV=32), cfg(4, 1, BK=32, BV=128), cfg(4, 2, BK=32, BV=128), cfg(4, 3, BK=16, BV=64),
         cfg(2, 3, BK=16, BV=64), cfg(8, 2, BK=32, BV=128), cfg(4, 2, r=168, BK=32, BV=64), cfg(8, 3, BK=64, BV=64)]),
     "fwd_scan": (fwd_mod, "gdn2_fwd_scan_kernel", [
-        cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 3, BV=128),
+        cfg(4, 3, BV=64), cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 2, BV=128),
         cfg(4, 3, BV=16), cfg(2, 3, BV=16)]),
     "state_scan": (fwd_mod, "gdn2_state_scan_kernel", [
         cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 3, BV=64), cfg(4, 2, BV=32), cfg(8, 2, BV=128), cfg(2, 2, BV=64),
@@ -60,8 +60,8 @@ SWEEPS = {
         cfg(4, 2, BK=64, BV=64), cfg(4, 2, BK=32, BV=32), cfg(8, 2, BK=128, BV=128), cfg(8, 2, BK=64, BV=64),
         cfg(4, 1, BK=64, BV=64)]),
     "bwd_scan": (bwd_mod, "gdn2_bwd_scan_kernel", [
-        cfg(4, 2, BV=64), cfg(4, 3, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(4, 3, BV=16),
-        cfg(2, 3, BV=16)]),
+        cfg(4, 3, BV=64), cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 2, BV=128),
+        cfg(4, 3, BV=16), cfg(2, 3, BV=16)]),
     "wy": (bwd_mod, "gdn2_bwd_wy_kernel", [
         cfg(4, 3, BV=128), cfg(4, 3, BV=64), cfg(8, 3, BV=128), cfg(4, 2, r=128, BV=128)]),
 }

@@ -28,13 +28,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import (LOG2E, SCAN_CONFIGS, load_sub_chunk_raw, scan_config, sub_chunk_factors,
+from gdn2.ops.gdn2_chunk_fwd import (BWD_SCAN_CONFIGS, LOG2E, bwd_scan_config, load_sub_chunk_raw, sub_chunk_factors,
                                      widen_sub_chunk)
 from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows, row_of,
                                         scan_chunk, scan_program, store_chunk_state, store_rows, tuned)
 
 
-@tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=scan_config)
+@tuned(BWD_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=bwd_scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
 def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,

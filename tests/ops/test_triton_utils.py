@@ -79,13 +79,17 @@ def test_register_cap_is_passed_only_when_a_config_sets_one(monkeypatch):
 
 
 def test_scan_value_block_follows_the_number_of_programs():
-    from gdn2.ops.gdn2_chunk_fwd import scan_config, state_scan_config
+    from gdn2.ops.gdn2_chunk_fwd import bwd_scan_config, scan_config, state_scan_config
 
     def bv(pick, size, prec="tf32"):
         return pick(dict(SIZE=size, V=128, DOT_PREC=prec)).kwargs["BV"]
 
     # forward / backward scans: BV 64 down to 128 programs, then 32, else 16
     assert [bv(scan_config, s) for s in (128, 64, 32, 16, 8)] == [64, 64, 32, 16, 16]
+    # the backward scan takes the whole value axis (8 warps) while that gives 128 programs
+    assert [bv(bwd_scan_config, s) for s in (256, 128, 64, 32, 16, 8)] == [128, 128, 64, 32, 16, 16]
+    assert bwd_scan_config(dict(SIZE=128, V=128, DOT_PREC="tf32")).num_warps == 8
+    assert bv(bwd_scan_config, 128, "ieee") == 16
     # the state scan wants 256 programs
     assert [bv(state_scan_config, s) for s in (128, 64, 32, 16)] == [64, 32, 16, 16]
     # fp32 inputs (ieee products) always take the smallest tile
