@@ -146,7 +146,10 @@ def accuracy_cases(quick: bool):
                 ("T100 H16 harsh h0", 2, 100, 16, True, True, None, False),
                 ("T100 H16 l2norm h0", 2, 100, 16, False, True, None, True),
                 ("T4096 H16 realistic h0", 1, 4096, 16, False, True, None, False),
-                ("varlen H16 harsh h0", 1, 256, 16, True, True, [0, 15, 100, 256], False)]
+                # past 64 chunks the backward's state scan starts windows inside sequences
+                ("T8200 H16 realistic h0", 1, 8200, 16, False, True, None, False),
+                ("varlen H16 harsh h0", 1, 256, 16, True, True, [0, 15, 100, 256], False),
+                ("varlen long H16 realistic h0", 1, 8200, 16, False, True, [0, 5000, 8200], False)]
     cases = []
     for T in (1, 63, 64, 100):
         for H in (1, 16):
@@ -158,6 +161,8 @@ def accuracy_cases(quick: bool):
         cases.append((f"varlen H{H} harsh h0", 1, 256, H, True, True, [0, 15, 100, 256], False))
     cases.append(("T100 H16 l2norm h0", 2, 100, 16, False, True, None, True))
     cases.append(("T4096 H16 realistic h0", 1, 4096, 16, False, True, None, False))
+    cases.append(("T8200 H16 realistic h0", 1, 8200, 16, False, True, None, False))
+    cases.append(("varlen long H16 realistic h0", 1, 8200, 16, False, True, [0, 5000, 8200], False))
     cases.append(("T4096 H1 harsh", 1, 4096, 1, True, False, None, False))
     return cases
 
@@ -374,9 +379,9 @@ def _probe_one(job):
         cfg = tuned.configs[idx]
         fn = tuned.fn
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
-        fp32_ptrs = {"g", "gcl", "h0", "ht", "dht", "dh0", "dg", "dq", "dk", "dqi", "dbki", "dki"}
-        ints = {"T", "NT", "SIZE"}
-        consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, IS_VARLEN=False,
+        fp32_ptrs = {"g", "gcl", "h0", "ht", "hseg", "dht", "dh0", "dg", "dq", "dk", "dqi", "dbki", "dki"}
+        ints = {"T", "NT", "NC", "SIZE"}
+        consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, SEG=64, IS_VARLEN=False,
                       SAVE_R=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
         consts.update(flags)
         consts.update(cfg.kwargs)

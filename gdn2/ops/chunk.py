@@ -3,9 +3,10 @@
 Forward: [L2 norm of q, k] -> ``gdn2_intra_kernel`` (Aqk and A, chunk-parallel) -> ``gdn2_prep_kernel``
 (Qg, Y, Kt, U, chunk-parallel) -> ``gdn2_fwd_scan_kernel`` (the state scan, which also writes o). For
 training the forward saves Aqk and A ([TT, H, 64] each, input dtype) and R; at K = V = 128 Aqk and A
-take half the bytes of per-chunk state checkpoints. Backward: ``gdn2_prep_kernel`` again without U (the
-intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the states at every chunk start from R, one
-product per chunk) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) -> ``gdn2_bwd_wy_kernel`` ->
+take half the bytes of per-chunk state checkpoints. It also keeps the fp32 state every STATE_SEGMENT
+(64) chunks inside a sequence (1/64 of the per-chunk states). Backward: ``gdn2_prep_kernel`` again
+without U (the intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the states at every chunk
+start from R, one product per chunk, in parallel over windows of 64 chunks) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) -> ``gdn2_bwd_wy_kernel`` ->
 ``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (chunk-parallel) -> [L2 norm backward].
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
@@ -23,6 +24,23 @@ from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel
 from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_prep_kernel, gdn2_state_scan_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
 from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
+
+
+# chunks per window of the backward's state scan (see ``gdn2_state_scan_kernel``): windows, not
+# sequences, set its parallelism, so 1 x 32768 gets as many programs as 8 x 4096
+STATE_SEGMENT = 64
+
+
+def state_windows(lay: ChunkLayout) -> int:
+    return triton.cdiv(lay.NC, STATE_SEGMENT)
+
+
+def window_starts_buffer(lay: ChunkLayout, H: int, K: int, V: int, device) -> torch.Tensor:
+    """fp32 [windows, H, K, V] for the state at every window start that lies inside a sequence (the
+    forward scan writes them); a one-element placeholder when every window starts a sequence."""
+    inside = lay.varlen or lay.NT > STATE_SEGMENT
+    shape = (state_windows(lay), H, K, V) if inside else (1,)
+    return torch.empty(shape, device=device, dtype=torch.float32)
 
 
 def _size_bucket(n: int) -> int:
@@ -70,8 +88,9 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     """Flattened forward. q, k, b, g: [TT, H, K]; v, w: [TT, H, V] (contiguous, q's dtype except g).
 
     Returns o [TT, H, V], the final state (fp32 [N, H, K, V] or None) and, when ``for_backward``, what
-    the backward needs besides the inputs: (Aqk, A, R), [TT, H, 64] / [TT, H, 64] / [TT, H, V] in q's
-    dtype (else None).
+    the backward needs besides the inputs: (Aqk, A, R, window starts), [TT, H, 64] / [TT, H, 64] /
+    [TT, H, V] in q's dtype and the states where a state-scan window starts inside a sequence (see
+    :func:`window_starts_buffer`; else None).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -81,36 +100,39 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
     rbuf = torch.empty(TT, H, V, device=dev, dtype=dt) if for_backward else None
+    hseg = window_starts_buffer(lay, H, K, V, dev) if for_backward else ht
     cu, _, off = lay.kernel_args(gcl)
     gdn2_fwd_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        y, u, kt, qg, aqk, gcl, h0, o, rbuf if for_backward else o, ht,
+        y, u, kt, qg, aqk, gcl, h0, o, rbuf if for_backward else o, ht, hseg,
         cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
         H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, SAVE_R=for_backward,
-        DOT_PREC=dot_precision(dt), BT=CHUNK)
-    saved = (aqk, amat, rbuf) if for_backward else None
+        DOT_PREC=dot_precision(dt), BT=CHUNK, SEG=STATE_SEGMENT)
+    saved = (aqk, amat, rbuf, hseg) if for_backward else None
     return o, (ht if output_final_state else None), saved
 
 
-def chunk_start_states(kt, rbuf, gcl, initial_state, lay: ChunkLayout) -> torch.Tensor:
+def chunk_start_states(kt, rbuf, gcl, initial_state, hseg, lay: ChunkLayout) -> torch.Tensor:
     """The state at every chunk start ([NC, H, K, V] in R's dtype), rebuilt from the R the training
-    forward saved and the prep kernel's Kt and exp2(G_C): the forward scan's state update alone."""
+    forward saved and the prep kernel's Kt and exp2(G_C): the forward scan's state update alone, in
+    windows of STATE_SEGMENT chunks, each from the initial state or the forward's ``hseg``."""
     TT, H, K = kt.shape
     V = rbuf.shape[-1]
     hbuf = torch.empty(lay.NC, H, K, V, device=kt.device, dtype=rbuf.dtype)
     h0 = initial_state if initial_state is not None else torch.zeros(lay.N, H, K, V, device=kt.device,
                                                                        dtype=torch.float32)
-    cu, _, off = lay.kernel_args(gcl)
-    gdn2_state_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), lay.N * H)](
-        kt, rbuf, gcl, h0, hbuf, cu, off, lay.T, lay.NT, _size_bucket(lay.N * H),
+    cu, info, _ = lay.kernel_args(gcl)
+    nw = state_windows(lay)
+    gdn2_state_scan_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), nw * H)](
+        kt, rbuf, gcl, h0, hseg, hbuf, cu, info, lay.T, lay.NT, lay.NC, _size_bucket(nw * H),
         H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, DOT_PREC=dot_precision(kt.dtype),
-        BT=CHUNK)
+        BT=CHUNK, SEG=STATE_SEGMENT)
     return hbuf
 
 
 def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: ChunkLayout,
                   need_dh0: bool, qk_grad_dtype: torch.dtype):
     """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`, given
-    its ``saved`` (Aqk, A, R).
+    its ``saved`` (Aqk, A, R, window starts).
 
     dq and dk come in ``qk_grad_dtype`` (fp32 when the L2-norm backward follows); the others have
     their input's dtype; dh0 is fp32 or None.
@@ -119,10 +141,10 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
-    aqk, amat, rbuf = saved
+    aqk, amat, rbuf, hseg = saved
     y, kt, qg, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
     cu, info, off = lay.kernel_args(gcl)
-    hbuf = chunk_start_states(kt, rbuf, gcl, initial_state, lay)
+    hbuf = chunk_start_states(kt, rbuf, gcl, initial_state, hseg, lay)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
     dr = torch.empty(TT, H, V, device=dev, dtype=dt)
     dh0 = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
@@ -176,22 +198,22 @@ class ChunkGDN2Function(torch.autograd.Function):
     def forward(ctx, q, k, v, g, b, w, initial_state, scale, output_final_state, use_l2, lay):
         qn, q_rstd = l2norm_fwd(q) if use_l2 else (q, None)
         kn, k_rstd = l2norm_fwd(k) if use_l2 else (k, None)
-        o, ht, (aqk, amat, rbuf) = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state, output_final_state,
-                                                lay, for_backward=True)
-        ctx.save_for_backward(q, k, v, g, b, w, initial_state, aqk, amat, rbuf)
+        o, ht, (aqk, amat, rbuf, hseg) = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state,
+                                                      output_final_state, lay, for_backward=True)
+        ctx.save_for_backward(q, k, v, g, b, w, initial_state, aqk, amat, rbuf, hseg)
         ctx.scale, ctx.use_l2, ctx.lay = scale, use_l2, lay
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, b, w, initial_state, aqk, amat, rbuf = ctx.saved_tensors
+        q, k, v, g, b, w, initial_state, aqk, amat, rbuf, hseg = ctx.saved_tensors
         if ctx.use_l2:
             qn, q_rstd = l2norm_fwd(q)
             kn, k_rstd = l2norm_fwd(k)
         else:
             qn, kn = q, k
         dq, dk, dv, dg, db, dw, dh0 = gdn2_backward(
-            qn, kn, v, g, b, w, ctx.scale, initial_state, (aqk, amat, rbuf), do.contiguous(),
+            qn, kn, v, g, b, w, ctx.scale, initial_state, (aqk, amat, rbuf, hseg), do.contiguous(),
             None if dht is None else dht.contiguous(), ctx.lay,
             need_dh0=initial_state is not None and ctx.needs_input_grad[6],
             qk_grad_dtype=torch.float32 if ctx.use_l2 else q.dtype)

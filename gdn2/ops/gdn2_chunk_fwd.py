@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, exp2_nonpos, load_rows_raw,
+from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, chunk_identity, exp2_nonpos, load_rows_raw,
                                         load_rows_t, row_of, scan_chunk, scan_program, store_chunk_state, store_rows,
                                         tuned)
 
@@ -430,59 +430,104 @@ bwd_scan_config = scan_picker(128, BWD_SCAN_CONFIGS)
 state_scan_config = scan_picker(256)
 
 
+@triton.jit
+def fwd_scan_chunk(y, u, kt, qg, aqk, gcl, o, r, b_h, scale, bos, eos, c0, i_t, i_h, o_t, o_k, m_k, o_v, m_v,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SAVE_R: tl.constexpr,
+                   DOT_PREC: tl.constexpr, BT: tl.constexpr):
+    """One step of the forward scan: chunk i_t's o (and R with SAVE_R) from the state b_h at its start;
+    returns the state at its end."""
+    m_t, row0, i_c = scan_chunk(bos, eos, c0, i_t, i_h, H, BT)
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
+    dt = y.dtype.element_ty
+    b_y = tl.load(y + p_k, mask=m_tk, other=0.0)
+    b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0)
+    b_ktt = load_rows_t(kt, row0, o_t, o_k, m_t, m_k, H, K)
+    b_a = tl.load(aqk + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=m_t[:, None], other=0.0)
+    p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_u = tl.load(u + p_v, mask=m_tv, other=0.0).to(tl.float32)
+    b_gl = tl.load(gcl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
+
+    b_hd = b_h.to(dt)
+    b_r = b_u - tl.dot(b_y, b_hd, input_precision=DOT_PREC)
+    b_rd = b_r.to(dt)
+    if SAVE_R:
+        tl.store(r + p_v, b_rd, mask=m_tv)
+    b_o = tl.dot(b_qg, b_hd, input_precision=DOT_PREC) * scale + tl.dot(b_a, b_rd, input_precision=DOT_PREC)
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+    return b_h * b_gl[:, None] + tl.dot(b_ktt, b_rd, input_precision=DOT_PREC)
+
+
 @tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE", "SAVE_R"], clip={"BV": "VP"}, pick=scan_config)
 @triton.jit(do_not_specialize=["T", "NT", "SIZE"])
-def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, cu, chunk_off, scale, T, NT, SIZE,
+def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, hseg, cu, chunk_off, scale, T, NT, SIZE,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                          VP: tl.constexpr, IS_VARLEN: tl.constexpr, SAVE_R: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+                         DOT_PREC: tl.constexpr, BT: tl.constexpr, SEG: tl.constexpr, BV: tl.constexpr):
     """Carry the state over the chunks of one sequence (one head, one value block); write o, and R
-    (r [TT, H, V], input dtype) when SAVE_R (training: the backward rebuilds the states from it)."""
+    (r [TT, H, V], input dtype) when SAVE_R (training: the backward rebuilds the states from it). With
+    SAVE_R the state at the start of every global chunk i_c = j * SEG that lies inside a sequence (not at
+    its start) also goes to hseg[j] (fp32 [NC / SEG, H, K, V]): the starting points of the backward's
+    windowed state scan."""
     i_h, bos, eos, c0, o_k, m_k, o_v, m_v, p_s = scan_program(cu, chunk_off, T, NT, H, K, V, KP, IS_VARLEN, BV)
     o_t = tl.arange(0, BT)
     m_kv = m_k[:, None] & m_v[None, :]
-    dt = y.dtype.element_ty
     # h0 / ht always exist (zeros / a scratch buffer when not asked for): fewer kernel variants
     b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
-    for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        m_t, row0, i_c = scan_chunk(bos, eos, c0, i_t, i_h, H, BT)
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_k = row0 * K + (o_t[:, None] * (H * K) + o_k[None, :])
-        b_y = tl.load(y + p_k, mask=m_tk, other=0.0)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0)
-        b_ktt = load_rows_t(kt, row0, o_t, o_k, m_t, m_k, H, K)
-        b_a = tl.load(aqk + row0 * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), mask=m_t[:, None], other=0.0)
-        p_v = row0 * V + (o_t[:, None] * (H * V) + o_v[None, :])
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_gl = tl.load(gcl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
-
-        b_hd = b_h.to(dt)
-        b_r = b_u - tl.dot(b_y, b_hd, input_precision=DOT_PREC)
-        b_rd = b_r.to(dt)
-        if SAVE_R:
-            tl.store(r + p_v, b_rd, mask=m_tv)
-        b_o = tl.dot(b_qg, b_hd, input_precision=DOT_PREC) * scale + tl.dot(b_a, b_rd, input_precision=DOT_PREC)
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_h = b_h * b_gl[:, None] + tl.dot(b_ktt, b_rd, input_precision=DOT_PREC)
+    n_t = tl.cdiv(eos - bos, BT)
+    # the chunks in pieces that end where a window starts (local chunk `first`, then every SEG), so that
+    # the window-start states are stored between the pieces, outside the pipelined loop
+    if SAVE_R:
+        first = SEG - c0 % SEG
+    else:
+        first = n_t
+    n_pieces = 1 + tl.maximum(tl.cdiv(n_t - first, SEG), 0)
+    for i_p in range(0, n_pieces):
+        lo = tl.maximum(first + (i_p - 1) * SEG, 0)
+        if i_p > 0:
+            store_chunk_state(hseg, (c0 + lo) // SEG, i_h, o_k, o_v, m_kv, b_h, H, K, V)
+        for i_t in range(lo, tl.minimum(first + i_p * SEG, n_t)):
+            b_h = fwd_scan_chunk(y, u, kt, qg, aqk, gcl, o, r, b_h, scale, bos, eos, c0, i_t, i_h, o_t, o_k, m_k,
+                                 o_v, m_v, H, K, V, SAVE_R, DOT_PREC, BT)
     tl.store(ht + p_s, b_h, mask=m_kv)
 
 
 @tuned(SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=state_scan_config)
-@triton.jit(do_not_specialize=["T", "NT", "SIZE"])
-def gdn2_state_scan_kernel(kt, r, gcl, h0, hbuf, cu, chunk_off, T, NT, SIZE,
+@triton.jit(do_not_specialize=["T", "NT", "NC", "SIZE"])
+def gdn2_state_scan_kernel(kt, r, gcl, h0, hseg, hbuf, cu, chunk_info, T, NT, NC, SIZE,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr,
                            VP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           BT: tl.constexpr, BV: tl.constexpr):
+                           BT: tl.constexpr, SEG: tl.constexpr, BV: tl.constexpr):
     """The states alone, from the R the training forward saved: S_C = Diag(gamma_C) S0 + Kt^T R, the
     state at every chunk start into hbuf ([NC, H, K, V], input dtype). Same products, in the same
-    precision, as the forward scan's state update, without the output and R."""
-    i_h, bos, eos, c0, o_k, m_k, o_v, m_v, p_s = scan_program(cu, chunk_off, T, NT, H, K, V, KP, IS_VARLEN, BV)
+    precision, as the forward scan's state update, without the output and R.
+
+    Grid: (value blocks, windows * heads). A program walks the SEG global chunks of its window, not a
+    whole sequence, so long sequences give as many programs as short ones: it starts from the initial
+    state where a sequence starts (also inside the window) and from the forward's hseg where the window
+    starts inside a sequence."""
+    i_v = tl.program_id(0)
+    i_w = tl.program_id(1) // H
+    i_h = tl.program_id(1) % H
     o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, KP)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    b_h = tl.load(h0 + p_s, mask=m_kv, other=0.0)
-    for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        m_t, row0, i_c = scan_chunk(bos, eos, c0, i_t, i_h, H, BT)
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    c_lo = i_w * SEG
+    _, l_lo, _, _ = chunk_identity(c_lo, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    # read only where the window starts inside a sequence (hseg is a placeholder when none does)
+    inside = (p_kv * 0 + l_lo) != 0
+    b_h = tl.load(hseg + (i_w.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv & inside, other=0.0)
+    for i_c in range(c_lo, tl.minimum(c_lo + SEG, NC)):
+        i_n, i_l, t0, L = chunk_identity(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+        if i_l == 0:
+            b_h = tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0)
+        row0 = t0.to(tl.int64) * H + i_h
+        m_t = o_t < L
         store_chunk_state(hbuf, i_c, i_h, o_k, o_v, m_kv, b_h, H, K, V)
         b_ktt = load_rows_t(kt, row0, o_t, o_k, m_t, m_k, H, K)
         b_r = tl.load(r + row0 * V + (o_t[:, None] * (H * V) + o_v[None, :]), mask=m_t[:, None] & m_v[None, :],

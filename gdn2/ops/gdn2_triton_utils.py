@@ -84,8 +84,8 @@ def chunk_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device: tor
 
 
 @triton.jit
-def chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
-    """First token and valid length of global chunk ``i_c``."""
+def chunk_identity(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """Sequence of global chunk ``i_c``, its index within that sequence, its first token and valid length."""
     if IS_VARLEN:
         i_n = tl.load(chunk_info + 2 * i_c)
         i_l = tl.load(chunk_info + 2 * i_c + 1)
@@ -97,7 +97,14 @@ def chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.con
         bos = i_n * T
         eos = bos + T
     t0 = bos + i_l * BT
-    return t0, tl.minimum(eos - t0, BT)
+    return i_n, i_l, t0, tl.minimum(eos - t0, BT)
+
+
+@triton.jit
+def chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """First token and valid length of global chunk ``i_c``."""
+    _, _, t0, L = chunk_identity(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
+    return t0, L
 
 
 @triton.jit

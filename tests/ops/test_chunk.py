@@ -13,6 +13,7 @@ while still catching any algebra slip (those give errors of order 1e-1).
 import pytest
 import torch
 
+import gdn2.ops.chunk as chunk_mod
 from gdn2.ops.chunk import chunk_gdn2_triton, chunk_operands, chunk_start_states, gdn2_forward
 from gdn2.ops.gdn2_triton_utils import chunk_layout
 from gdn2.ops.reference import recurrent_gdn2_reference
@@ -188,18 +189,22 @@ def test_inference_path_equals_training_path():
     assert rel_err(o1, o2) < 1e-6 and rel_err(s1, s2) < 1e-6
 
 
+@pytest.mark.parametrize("segment", [1, 2, 3, 64])
 @pytest.mark.parametrize("cu", [None, [0, 70, 200]], ids=["fixed", "varlen"])
-def test_backward_rebuilds_the_states_at_every_chunk_start(cu):
-    """The backward keeps no state checkpoints: it rebuilds the state at every chunk start from the
-    saved A and R (prep kernel, then the state scan). Each must equal the recurrence's state after
-    that many tokens of its sequence."""
+def test_backward_rebuilds_the_states_at_every_chunk_start(cu, segment, monkeypatch):
+    """The backward keeps no per-chunk state checkpoints: it rebuilds the state at every chunk start
+    from the saved A and R (prep kernel, then the state scan, in windows of ``segment`` chunks that
+    start from the initial state or from a state the forward kept). Each must equal the recurrence's
+    state after that many tokens of its sequence. The windows of 2 and 3 chunks start inside sequences,
+    and (varlen, 3) a sequence also starts inside a window."""
+    monkeypatch.setattr(chunk_mod, "STATE_SEGMENT", segment)
     B, T, H, K, V = (2, 200, 2, 16, 16) if cu is None else (1, 200, 2, 16, 16)
     ins, h0, _, _, cu_t = make_case(B, T, H, K, V, torch.float32, True, True, cu, seed=21)
     q, k, v, g, b, w = (t.reshape(B * T, H, t.shape[-1]).contiguous() for t in ins)
     lay = chunk_layout(B, T, cu_t, q.device)
-    _, _, (_, amat, rbuf) = gdn2_forward(q, k, v, g, b, w, K ** -0.5, h0, False, lay, for_backward=True)
+    _, _, (_, amat, rbuf, hseg) = gdn2_forward(q, k, v, g, b, w, K ** -0.5, h0, False, lay, for_backward=True)
     _, kt, _, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
-    hbuf = chunk_start_states(kt, rbuf, gcl, h0, lay)
+    hbuf = chunk_start_states(kt, rbuf, gcl, h0, hseg, lay)
     starts = cu if cu is not None else [n * T for n in range(B + 1)]
     c = 0
     for n in range(len(starts) - 1):
