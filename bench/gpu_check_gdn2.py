@@ -98,6 +98,14 @@ def ours(ins, h0, do, dht, cu, l2):
     return _grads(chunk_gdn2, ins, h0, do, dht, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2, backend="triton")
 
 
+def ours_inference(ins, h0, do, dht, cu, l2):
+    """o and the final state without autograd (the forward that keeps nothing for a backward)."""
+    with torch.inference_mode():
+        o, s = chunk_gdn2(*ins, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                          use_qk_l2norm_in_kernel=l2, backend="triton")
+    return dict(o=o, state=s)
+
+
 def peer_chunk():
     try:
         from fla.ops.gdn2 import chunk_gdn2 as fla_chunk
@@ -250,6 +258,8 @@ def run_accuracy(quick=False, with_peer=True, fp32=False, budget_s=None):
         ins, h0, do, dht, cu_t = _case_tensors(i, B, T, H, harsh, with_h0, cu, l2)
         ref = oracle(ins, h0, do, dht, cu_t, l2)
         rows.append(_run(ours, (ins, h0, do, dht, cu_t, l2, ref), BF16_TOL, label, "ours", "bf16"))
+        rows.append(_run(ours_inference, (ins, h0, do, dht, cu_t, l2, ref), BF16_TOL, label, "ours inference",
+                         "bf16"))
         print(f"   ({time.time() - t0:.1f}s)", flush=True)
         refs.append({n: t.cpu() for n, t in ref.items()})
         del ref

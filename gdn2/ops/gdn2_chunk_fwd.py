@@ -484,7 +484,7 @@ def gdn2_fwd_scan_kernel(y, u, kt, qg, aqk, gcl, h0, o, r, ht, hseg, cu, chunk_o
         first = n_t
     n_pieces = 1 + tl.maximum(tl.cdiv(n_t - first, SEG), 0)
     for i_p in range(0, n_pieces):
-        lo = tl.maximum(first + (i_p - 1) * SEG, 0)
+        lo = tl.where(i_p > 0, first + (i_p - 1) * SEG, 0)
         if i_p > 0:
             store_chunk_state(hseg, (c0 + lo) // SEG, i_h, o_k, o_v, m_kv, b_h, H, K, V)
         for i_t in range(lo, tl.minimum(first + i_p * SEG, n_t)):

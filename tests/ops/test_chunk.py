@@ -178,9 +178,14 @@ def test_without_final_state_and_frozen_initial_state():
         assert rel_err(a, r) < 1e-4
 
 
-def test_inference_path_equals_training_path():
-    """Without autograd the forward skips the checkpoints; o and the state must not change."""
-    ins, h0, do, dht, cu = make_case(1, 130, 2, 16, 16, torch.float32, False, True, [0, 15, 100, 130], seed=2)
+@pytest.mark.parametrize("segment", [1, 64])
+@pytest.mark.parametrize("cu", [None, [0, 15, 100, 130]], ids=["fixed", "varlen"])
+def test_inference_path_equals_training_path(cu, segment, monkeypatch):
+    """Without autograd the forward skips the checkpoints (R and the window-start states); o and the
+    state must not change. With 1-chunk windows the training forward's scan runs in pieces."""
+    monkeypatch.setattr(chunk_mod, "STATE_SEGMENT", segment)
+    B, T = (2, 200) if cu is None else (1, 130)
+    ins, h0, do, dht, cu = make_case(B, T, 2, 16, 16, torch.float32, False, True, cu, seed=2)
     with torch.no_grad():
         o1, s1 = chunk_gdn2_triton(*ins, 0.25, h0, True, True, cu)
     leaves = [t.clone().requires_grad_() for t in ins]
