@@ -42,11 +42,11 @@ def cfg(w, s=1, r=None, **kw):
 # short name -> (module, kernel attribute, configs to try; the first is the pinned one)
 SWEEPS = {
     "intra": (fwd_mod, "gdn2_intra_kernel", [
-        cfg(1, 2, BK=32), cfg(1, BK=32), cfg(1, 2, BK=16), cfg(1, BK=16), cfg(1, 2, BK=64), cfg(2, 2, BK=32),
-        cfg(1, 2, r=192, BK=32)]),
+        cfg(1, 2, BK=32), cfg(1, BK=32), cfg(1, 3, BK=32), cfg(1, 2, BK=16), cfg(1, BK=16), cfg(1, 2, BK=64),
+        cfg(2, 2, BK=32), cfg(1, 2, r=192, BK=32)]),
     "bwd_intra": (bwd_mod, "gdn2_bwd_intra_kernel", [
-        cfg(1, BK=32), cfg(1, r=192, BK=32), cfg(1, r=160, BK=32), cfg(1, r=128, BK=32), cfg(1, r=128, BK=16),
-        cfg(1, BK=16)]),
+        cfg(1, BK=32), cfg(1, 2, BK=32), cfg(1, 3, BK=32), cfg(1, r=192, BK=32), cfg(1, r=160, BK=32),
+        cfg(1, r=128, BK=32), cfg(1, r=128, BK=16), cfg(1, BK=16)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
         cfg(4, 3, BK=32, BV=64), cfg(4, 3, BK=32, BV=32), cfg(4, 1, BK=32, BV=128), cfg(4, 2, BK=32, BV=128), cfg(4, 3, BK=16, BV=64),
         cfg(2, 3, BK=16, BV=64), cfg(8, 2, BK=32, BV=128), cfg(4, 2, r=168, BK=32, BV=64), cfg(8, 3, BK=64, BV=64)]),
@@ -57,8 +57,8 @@ SWEEPS = {
         cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 3, BV=64), cfg(4, 2, BV=32), cfg(8, 2, BV=128), cfg(2, 2, BV=64),
         cfg(4, 3, BV=32), cfg(4, 3, BV=16)]),
     "prep": (fwd_mod, "gdn2_prep_kernel", [
-        cfg(4, 2, BK=64, BV=64), cfg(4, 2, BK=32, BV=32), cfg(8, 2, BK=128, BV=128), cfg(8, 2, BK=64, BV=64),
-        cfg(4, 1, BK=64, BV=64)]),
+        cfg(4, 2, BK=32, BV=32), cfg(4, 2, BK=64, BV=64), cfg(2, 2, BK=32, BV=32), cfg(8, 2, BK=128, BV=128),
+        cfg(8, 2, BK=64, BV=64), cfg(4, 1, BK=64, BV=64)]),
     "bwd_scan": (bwd_mod, "gdn2_bwd_scan_kernel", [
         cfg(4, 3, BV=64), cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 2, BV=128),
         cfg(4, 3, BV=16), cfg(2, 3, BV=16)]),

@@ -269,7 +269,8 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
 # pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program); measured at
 # 8 x 4096 x 16 (H200, bf16), both sides' four launches together: BK 32 / 1 warp 1.41 ms (2 stages
 # equal), BK 16 / 1 warp 2.22 ms, BK 32 / 2 warps 2.43 ms; a register cap (maxnreg 192 / 160 / 128, more
-# programs per SM, more spills) 1.57 / 1.49 / 1.71 ms. Fused sides (one launch storing all three): 1.54 ms
+# programs per SM, more spills) 1.57 / 1.49 / 1.71 ms. Fused sides (one launch storing all three): 1.54 ms.
+# With each sub-chunk's loads issued together: 1 stage 1.19 ms, 2 / 3 stages 1.20 / 1.21
 _BWD_INTRA_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=1),
     triton.Config({"BK": 16}, num_warps=2, num_stages=1),

@@ -338,7 +338,9 @@ def solve_and_store(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, row0
 # pinned first; measured at 8 x 4096 x 16 (H200, bf16), per forward + backward (the forward's launch with
 # U, the backward's without): BK = BV 32 / 4 warps 0.81 ms, 64 / 4 warps 0.83 ms, 64 / 8 warps 0.91 ms,
 # 128 / 8 warps 1.14 ms. Issuing the four loads of a key-block program (g, k, q, b) before widening any of
-# them (one round trip instead of three): 0.81 -> 0.76 ms
+# them (one round trip instead of three): 32 / 4 warps 0.81 -> 0.75 ms. The sweep after that change:
+# 64 / 4 warps 0.69 ms (1 stage 0.69, 8 warps 0.81; 32 / 2 warps 0.76; 128 / 8 warps 1.05), not yet
+# through the GPU accuracy check (bench/gpu_check_gdn2.py), so 32 stays pinned
 _PREP_CONFIGS = [
     triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2),
