@@ -6,8 +6,9 @@ training the forward saves Aqk and A ([TT, H, 64] each, input dtype) and R; at K
 take half the bytes of per-chunk state checkpoints. It also keeps the fp32 state every STATE_SEGMENT
 (64) chunks inside a sequence (1/64 of the per-chunk states). Backward: ``gdn2_prep_kernel`` again
 without U (the intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the states at every chunk
-start from R, one product per chunk, in parallel over windows of 64 chunks) -> ``gdn2_bwd_scan_kernel`` (one reverse scan) -> ``gdn2_bwd_wy_kernel`` ->
-``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel`` (chunk-parallel) -> [L2 norm backward].
+start from R, one product per chunk, in parallel over windows of 64 chunks) -> ``gdn2_bwd_scan_kernel``
+(one reverse scan) -> ``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel``
+(chunk-parallel) -> [L2 norm backward].
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
 """

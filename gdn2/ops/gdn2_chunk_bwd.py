@@ -19,8 +19,9 @@ so the gates stay inside the products without any transposed inverse. Kernels:
   forward built them (16-row sub-chunks, the same anchors and the same fast / exact diagonal paths), to
   fp32 scratch;
 - ``gdn2_bwd_qkbg_kernel`` (chunk- and key-block-parallel): dq, dk, db, dg from those and the
-  value-axis contractions, dg as a reverse cumulative sum of dG inside the chunk. For every pair the decay's gradient is +x*dx on the row side and -k*dk on the column
-  side, so dG needs only the intra-chunk dq, d(b*k), dk tiles, whatever the factorisation.
+  value-axis contractions, dg as a reverse cumulative sum of dG inside the chunk. For every pair the
+  decay's gradient is +x*dx on the row side and -k*dk on the column side, so dG needs only the
+  intra-chunk dq, d(b*k), dk tiles, whatever the factorisation.
 """
 
 from __future__ import annotations
@@ -147,6 +148,14 @@ def diag_columns_grad(b_q, b_k, b_bk, b_G, d_a, d_t, o_c, BC: tl.constexpr, BK: 
 
 
 @triton.jit
+def grad_blocks(daqk, dtm, row0, i, j, o_c, L, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                TRANS: tl.constexpr):
+    """Block (i, j) of dAqk and of dT, as loaded (see ``load_block``)."""
+    return (load_block(daqk, row0, i, j, o_c, L, H, BT, BC, TRANS),
+            load_block(dtm, row0, i, j, o_c, L, H, BT, BC, TRANS))
+
+
+@triton.jit
 def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.constexpr,
                    K: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
                    BC: tl.constexpr, BK: tl.constexpr):
@@ -156,10 +165,8 @@ def grad_sub_chunk(q, k, b, g, daqk, dtm, base, row0, i, a, o_c, o_k, L, H: tl.c
     the anchored product's gradient, except with EXACT where this key block is too steep for it."""
     # every load of the sub-chunk issued before any of them is used
     r_q, r_k, r_b, r_g = load_sub_chunk_raw(q, k, b, g, base, i, o_c, o_k, L, H, K, BC)
-    r_a = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, False)
-    r_t = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, False)
-    r_at = load_block(daqk, row0, i, i, o_c, L, H, BT, BC, True)
-    r_tt = load_block(dtm, row0, i, i, o_c, L, H, BT, BC, True)
+    r_a, r_t = grad_blocks(daqk, dtm, row0, i, i, o_c, L, H, BT, BC, False)
+    r_at, r_tt = grad_blocks(daqk, dtm, row0, i, i, o_c, L, H, BT, BC, True)
     b_q, b_k, b_b, b_G, e, m, fast = widen_sub_chunk(r_q, r_k, r_b, r_g, a, BC)
     b_bk = b_b * b_k
     b_fm, b_km, b_f, b_h = sub_chunk_factors(b_G, a, e, m, fast)
@@ -339,15 +346,14 @@ def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT,
         acc = tl.zeros([BC, BK], dtype=tl.float32)
         for i in range(j + 1, BT // BC):
             r_q, r_k, r_b, r_g = load_sub_chunk_raw(q, k, b, g, base, i, o_c, o_k, L, H, K, BC)
-            d_at = load_block(daqk, row0, i, j, o_c, L, H, BT, BC, True).to(dt)
-            d_tt = load_block(dtm, row0, i, j, o_c, L, H, BT, BC, True).to(dt)
+            d_at, d_tt = grad_blocks(daqk, dtm, row0, i, j, o_c, L, H, BT, BC, True)
             b_G = run[None, :] + tl.cumsum(r_g.to(tl.float32) * LOG2E, axis=0)
             run = row_of(b_G, BC - 1, BC)
             b_x = exp2_nonpos(b_G - e[None, :])
             b_qx = r_q.to(tl.float32) * b_x
             b_bkx = r_b.to(tl.float32) * r_k.to(tl.float32) * b_x
-            acc += tl.dot(d_at, b_qx.to(dt), input_precision=DOT_PREC)
-            acc += tl.dot(d_tt, b_bkx.to(dt), input_precision=DOT_PREC)
+            acc += tl.dot(d_at.to(dt), b_qx.to(dt), input_precision=DOT_PREC)
+            acc += tl.dot(d_tt.to(dt), b_bkx.to(dt), input_precision=DOT_PREC)
         store_rows(dki, base, j * BC + o_c, o_k, L, b_dk + b_h * acc, H, K)
         a = e
     if not EXACT:
@@ -370,30 +376,24 @@ def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, 
     store_rows(dqi, base, o_c, o_k, L, dq0, H, K)
     store_rows(dbki, base, o_c, o_k, L, dbk0, H, K)
     # the off-diagonal blocks of each row of blocks are loaded before that row's sub-chunk is widened
-    a10 = load_block(daqk, row0, 1, 0, o_c, L, H, BT, BC, False)
-    t10 = load_block(dtm, row0, 1, 0, o_c, L, H, BT, BC, False)
+    a10, t10 = grad_blocks(daqk, dtm, row0, 1, 0, o_c, L, H, BT, BC, False)
     kh1, f1, _, e1, dq1, dbk1, _, ok1 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 1, e0, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     one = tl.full([BK], 1.0, dtype=tl.float32)
     dq1, dbk1 = offdiag_row_grad(a10, t10, kh0, f1, one, dq1, dbk1, dt, DOT_PREC)
     store_rows(dqi, base, BC + o_c, o_k, L, dq1, H, K)
     store_rows(dbki, base, BC + o_c, o_k, L, dbk1, H, K)
-    a21 = load_block(daqk, row0, 2, 1, o_c, L, H, BT, BC, False)
-    t21 = load_block(dtm, row0, 2, 1, o_c, L, H, BT, BC, False)
-    a20 = load_block(daqk, row0, 2, 0, o_c, L, H, BT, BC, False)
-    t20 = load_block(dtm, row0, 2, 0, o_c, L, H, BT, BC, False)
+    a21, t21 = grad_blocks(daqk, dtm, row0, 2, 1, o_c, L, H, BT, BC, False)
+    a20, t20 = grad_blocks(daqk, dtm, row0, 2, 0, o_c, L, H, BT, BC, False)
     kh2, f2, _, e2, dq2, dbk2, _, ok2 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 2, e1, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq2, dbk2 = offdiag_row_grad(a21, t21, kh1, f2, one, dq2, dbk2, dt, DOT_PREC)
     dq2, dbk2 = offdiag_row_grad(a20, t20, kh0, f2, tl.exp2(e1 - e0), dq2, dbk2, dt, DOT_PREC)
     store_rows(dqi, base, 2 * BC + o_c, o_k, L, dq2, H, K)
     store_rows(dbki, base, 2 * BC + o_c, o_k, L, dbk2, H, K)
-    a32 = load_block(daqk, row0, 3, 2, o_c, L, H, BT, BC, False)
-    t32 = load_block(dtm, row0, 3, 2, o_c, L, H, BT, BC, False)
-    a31 = load_block(daqk, row0, 3, 1, o_c, L, H, BT, BC, False)
-    t31 = load_block(dtm, row0, 3, 1, o_c, L, H, BT, BC, False)
-    a30 = load_block(daqk, row0, 3, 0, o_c, L, H, BT, BC, False)
-    t30 = load_block(dtm, row0, 3, 0, o_c, L, H, BT, BC, False)
+    a32, t32 = grad_blocks(daqk, dtm, row0, 3, 2, o_c, L, H, BT, BC, False)
+    a31, t31 = grad_blocks(daqk, dtm, row0, 3, 1, o_c, L, H, BT, BC, False)
+    a30, t30 = grad_blocks(daqk, dtm, row0, 3, 0, o_c, L, H, BT, BC, False)
     _, f3, _, _, dq3, dbk3, _, ok3 = grad_sub_chunk(
         q, k, b, g, daqk, dtm, base, row0, 3, e2, o_c, o_k, L, H, K, EXACT, DOT_PREC, BT, BC, BK)
     dq3, dbk3 = offdiag_row_grad(a32, t32, kh2, f3, one, dq3, dbk3, dt, DOT_PREC)
