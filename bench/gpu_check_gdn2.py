@@ -33,6 +33,7 @@ if ROOT not in sys.path:
 from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2  # noqa: E402
 from gdn2.ops.reference import chunk_gdn2_reference, recurrent_gdn2_reference  # noqa: E402
 from gdn2.ops.testing import rel_err  # noqa: E402
+from gdn2.ops.gdn2_triton_utils import EXACT_SPAN  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 DEV = "cuda"
@@ -391,7 +392,7 @@ def _probe_one(job):
         dt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
         fp32_ptrs = {"g", "gcl", "h0", "ht", "hseg", "dht", "dh0", "dg", "dq", "dk", "dqi", "dbki", "dki"}
         ints = {"T", "NT", "NC", "SIZE"}
-        consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, SEG=64, IS_VARLEN=False,
+        consts = dict(H=16, K=128, V=128, KP=128, VP=128, BT=64, BC=16, SEG=64, SPAN=EXACT_SPAN, IS_VARLEN=False,
                       SAVE_R=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
         consts.update(flags)
         consts.update(cfg.kwargs)

@@ -24,7 +24,7 @@ from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel
                                      gdn2_bwd_wy_kernel)
 from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_prep_kernel, gdn2_state_scan_kernel
 from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
-from gdn2.ops.gdn2_triton_utils import CHUNK, SUB, ChunkLayout, chunk_layout, dot_precision, padded
+from gdn2.ops.gdn2_triton_utils import CHUNK, EXACT_SPAN, SUB, ChunkLayout, chunk_layout, dot_precision, padded
 
 
 # chunks per window of the backward's state scan (see ``gdn2_state_scan_kernel``): windows, not
@@ -77,10 +77,10 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
     cu, info, _ = lay.kernel_args(steep)
     # anchored diagonal blocks everywhere, then the chunks flagged in ``steep`` again with the exact path
     for exact in (False, True):
-        gdn2_intra_kernel[(lay.NC, H)](
-            q, k, g, b, aqk, amat, steep, cu, info, scale, lay.T, lay.NT,
+        gdn2_intra_kernel[(triton.cdiv(lay.NC, EXACT_SPAN) if exact else lay.NC, H)](
+            q, k, g, b, aqk, amat, steep, cu, info, scale, lay.T, lay.NT, lay.NC,
             H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact,
-            DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB)
+            DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB, SPAN=EXACT_SPAN)
     return (aqk, amat) + chunk_operands(q, k, g, b, v, w, amat, lay, with_u=True)
 
 
@@ -176,10 +176,11 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     steep = torch.empty(2, lay.NC * K, H, device=dev, dtype=torch.int32)
     for exact in (False, True):
         for side in (0, 1):
-            gdn2_bwd_intra_kernel[lambda meta: (lay.NC * triton.cdiv(K, meta["BK"]), H)](
-                q, k, b, g, daqk, dtm, dqi, dbki, dki, steep[side], cu, info, lay.T, lay.NT,
+            gdn2_bwd_intra_kernel[lambda meta: (triton.cdiv(lay.NC * triton.cdiv(K, meta["BK"]),
+                                                            EXACT_SPAN if exact else 1), H)](
+                q, k, b, g, daqk, dtm, dqi, dbki, dki, steep[side], cu, info, lay.T, lay.NT, lay.NC,
                 H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact, SIDE=side, DOT_PREC=prec, BT=CHUNK,
-                BC=SUB)
+                BC=SUB, SPAN=EXACT_SPAN)
     del daqk, dtm
     dq = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)
     dk = torch.empty(TT, H, K, device=dev, dtype=qk_grad_dtype)

@@ -31,8 +31,9 @@ import triton.language as tl
 
 from gdn2.ops.gdn2_chunk_fwd import (BWD_SCAN_CONFIGS, LOG2E, bwd_scan_config, load_sub_chunk_raw, sub_chunk_factors,
                                      widen_sub_chunk)
-from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, key_block_program, load_block, load_rows, row_of,
-                                        scan_chunk, scan_program, store_chunk_state, store_rows, tuned)
+from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, flag_at, key_block_at, key_block_program,
+                                        load_block, load_rows, row_of, scan_chunk, scan_program, steep_flags,
+                                        store_chunk_state, store_rows, tuned)
 
 
 @tuned(BWD_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=bwd_scan_config)
@@ -286,54 +287,63 @@ _BWD_INTRA_CONFIGS = [
 
 
 @tuned(_BWD_INTRA_CONFIGS, key=["H", "K", "EXACT", "SIDE"], clip={"BK": "KP"})
-@triton.jit(do_not_specialize=["T", "NT"])
-def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT,
+@triton.jit(do_not_specialize=["T", "NT", "NC"])
+def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, NC,
                           H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, IS_VARLEN: tl.constexpr,
                           EXACT: tl.constexpr, SIDE: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr, BK: tl.constexpr):
+                          BC: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     """One chunk, one head, one key block: the intra-chunk gradients through Aqk and T (grid: chunks *
     key blocks, heads), fp32 [TT, H, K] each: dqi (unscaled by ``scale``: dAqk carries it), d(b*k)
     in dbki and the column-side dk in dki. The pairwise decays are differentiated block by block as
     the forward built them (16-row sub-chunks, the same anchors, the anchored diagonal product or the
     exact column path). Each side is launched twice, like ``gdn2_intra_kernel``: anchored diagonal
     blocks everywhere, the programs that needed the exact path flagged in ``steep`` (int32, one per
-    program and side), then those programs again with the exact path.
+    program and side), then those programs again with the exact path (that launch's programs take SPAN
+    of the first launch's each, as in the forward).
 
     Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), walking the
     sub-chunks in order; SIDE 1 the column side (dki), one sub-chunk j at a time against every later
     one, so that one dk tile is live. Both sides in one kernel spilled and took 1.54 ms against 1.35 for
     the four launches; apart, neither spills, at the price of reloading the inputs.
     """
+    N0 = NC * tl.cdiv(K, BK)  # programs per head of the first launch
+    i_h = tl.program_id(1)
     if EXACT:
-        if tl.load(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) != 0:
-            intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN,
-                            True, SIDE, DOT_PREC, BT, BC, BK)
+        flags = steep_flags(steep, tl.program_id(0) * SPAN, i_h, N0, 1, N0, SPAN)
+        if tl.max(flags, axis=0) != 0:
+            for s in range(0, SPAN):
+                if flag_at(flags, s, SPAN) != 0:
+                    intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT,
+                                    tl.program_id(0) * SPAN + s, i_h, N0, H, K, IS_VARLEN, True, SIDE,
+                                    DOT_PREC, BT, BC, BK)
     else:
-        intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN,
-                        False, SIDE, DOT_PREC, BT, BC, BK)
+        intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, tl.program_id(0), i_h,
+                        N0, H, K, IS_VARLEN, False, SIDE, DOT_PREC, BT, BC, BK)
 
 
 @triton.jit
-def intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
-                    K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, SIDE: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """The work of ``gdn2_bwd_intra_kernel`` for this program's chunk, head and key block."""
+def intra_grad_side(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chunk_info, T, NT, p0, i_h, N0,
+                    H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                    SIDE: tl.constexpr, DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    BK: tl.constexpr):
+    """The work of ``gdn2_bwd_intra_kernel`` for the first launch's program (p0, i_h): one chunk, head and
+    key block; its steep flag sits at ``steep[i_h * N0 + p0]``."""
     if SIDE == 0:
-        intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, EXACT,
-                        DOT_PREC, BT, BC, BK)
+        intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, p0, i_h, N0, H, K,
+                        IS_VARLEN, EXACT, DOT_PREC, BT, BC, BK)
     else:
-        intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, H, K, IS_VARLEN, EXACT,
-                           DOT_PREC, BT, BC, BK)
+        intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, p0, i_h, N0, H, K,
+                           IS_VARLEN, EXACT, DOT_PREC, BT, BC, BK)
 
 
 @triton.jit
-def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
-                       K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
-                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT, p0, i_h, N0,
+                       H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                       DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Column side, one sub-chunk j at a time: dk_j from its diagonal block, then from every later
     sub-chunk i (reloaded, its decays taken against e_j: q_i exp2(G_i - e_j) <= q_i), so that only
     one dk tile is live."""
-    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+    _, _, L, row0, base, o_k = key_block_at(p0, i_h, cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
     a = tl.zeros([BK], dtype=tl.float32)
@@ -357,17 +367,17 @@ def intra_grad_columns(q, k, b, g, daqk, dtm, dki, steep, cu, chunk_info, T, NT,
         store_rows(dki, base, j * BC + o_c, o_k, L, b_dk + b_h * acc, H, K)
         a = e
     if not EXACT:
-        tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)
+        tl.store(steep + i_h * N0 + p0, slow)
 
 
 @triton.jit
-def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, H: tl.constexpr,
-                    K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, DOT_PREC: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, NT, p0, i_h, N0,
+                    H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Row side: dq and d(b*k) of each sub-chunk i, complete once its own row of blocks is done, so the
     sub-chunks are walked in order with the earlier ones' k*H tiles kept (spelled out: see
     gdn2_intra_kernel)."""
-    _, _, L, row0, base, o_k = key_block_program(cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+    _, _, L, row0, base, o_k = key_block_at(p0, i_h, cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
     o_c = tl.arange(0, BC)
     dt = q.dtype.element_ty
     a0 = tl.zeros([BK], dtype=tl.float32)
@@ -403,7 +413,7 @@ def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, 
     store_rows(dbki, base, 3 * BC + o_c, o_k, L, dbk3, H, K)
     if not EXACT:
         slow = (1 - ok0) | (1 - ok1) | (1 - ok2) | (1 - ok3)
-        tl.store(steep + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), slow)
+        tl.store(steep + i_h * N0 + p0, slow)
 
 
 # pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 32 / BV 64 / 4 warps / 3 stages

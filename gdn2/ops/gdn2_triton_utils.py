@@ -113,13 +113,37 @@ def key_block_program(cu, chunk_info, T, NT, H: tl.constexpr, K: tl.constexpr, I
     """Where a program of a (chunks * key blocks, heads) grid works: chunk i_c, head i_h, the chunk's
     valid length L, the (token, head) row of its first token, that row's element offset into a
     [TT, H, K] tensor and the key block's channel offsets o_k."""
+    return key_block_at(tl.program_id(0), tl.program_id(1), cu, chunk_info, T, NT, H, K, IS_VARLEN, BT, BK)
+
+
+@triton.jit
+def key_block_at(p0, i_h, cu, chunk_info, T, NT, H: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr):
+    """``key_block_program`` for the program at (p0, i_h) of that grid."""
     NK = tl.cdiv(K, BK)
-    i_c = tl.program_id(0) // NK
-    i_h = tl.program_id(1)
+    i_c = p0 // NK
     t0, L = chunk_bounds(i_c, cu, chunk_info, T, NT, IS_VARLEN, BT)
     row0 = t0.to(tl.int64) * H + i_h
-    o_k = (tl.program_id(0) % NK) * BK + tl.arange(0, BK)
+    o_k = (p0 % NK) * BK + tl.arange(0, BK)
     return i_c, i_h, L, row0, row0 * K, o_k
+
+
+# The exact-path launches (a second launch over the programs the first one flagged as too steep for the
+# anchored diagonal product) give each program EXACT_SPAN of the first launch's programs: almost every
+# flag is zero, and one vector load of them replaces EXACT_SPAN programs that each load one flag and exit.
+EXACT_SPAN = 16
+
+
+@triton.jit
+def steep_flags(steep, p0_first, i_h, N0, stride_p, stride_h, SPAN: tl.constexpr):
+    """The flags of programs p0_first .. p0_first + SPAN - 1 (zero past N0) at head i_h, as [SPAN]."""
+    o_s = p0_first + tl.arange(0, SPAN)
+    return tl.load(steep + o_s * stride_p + i_h * stride_h, mask=o_s < N0, other=0)
+
+
+@triton.jit
+def flag_at(flags, s, SPAN: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, SPAN) == s, flags, 0), axis=0)
 
 
 @triton.jit

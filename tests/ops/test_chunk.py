@@ -147,16 +147,21 @@ def test_extreme_decay_stays_finite():
     check(got, oracle(ins, h0, do, dht, cu, False), torch.float32)
 
 
-def test_steep_gates_anchored_and_exact_diagonal_paths():
+@pytest.mark.parametrize("span", [1, 2, 16])
+def test_steep_gates_anchored_and_exact_diagonal_paths(span, monkeypatch):
     """Gates near the fast bound of the anchored diagonal blocks (-4 nats per token: factors up to
-    2^46 inside a sub-chunk) in the first key block, next to one steep burst (-12 per token over 8
-    tokens in a few channels of the second key block), which sends that sub-chunk of that key block
-    alone to the exact column path, redone by the intra kernel's second launch; both must match the
-    recurrence."""
-    B, T, H, K, V = 1, 128, 1, 64, 16
+    2^46 inside a sub-chunk) in the first key block, next to steep bursts (-12 per token over 8
+    tokens in a few channels of the second key block, in the first and the third chunk), which send
+    those sub-chunks of that key block alone to the exact column path, redone by the intra kernels'
+    second launches; both must match the recurrence. Those launches take ``span`` flagged programs of
+    the first launch per program: one each, the third chunk alone in a program whose span runs past
+    the last chunk, and all in one."""
+    monkeypatch.setattr(chunk_mod, "EXACT_SPAN", span)
+    B, T, H, K, V = 1, 192, 1, 64, 16
     ins, h0, do, dht, cu = make_case(B, T, H, K, V, torch.float32, False, True, None, seed=12)
     ins[3][..., : K // 2] = -4.0
     ins[3][:, 20:28, :, K // 2: K // 2 + 3] = -12.0
+    ins[3][:, 150:158, :, K // 2 + 5: K // 2 + 7] = -12.0
     got = ours(ins, h0, do, dht, cu, False)
     check(got, oracle(ins, h0, do, dht, cu, False), torch.float32)
 
