@@ -53,16 +53,25 @@ SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128
 FWD_SWEEP = [FwdConfig(*c) for c in [
     (128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
     (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
+    # one warp group per program, two programs per SM
+    (64, 64, 4, 2, True), (64, 64, 4, 3, True), (64, 128, 4, 2, True), (64, 32, 4, 3, True),
 ]]
 # dq kernel: (dq_block_m, dq_block_n, dq_warps, dq_stages, dq_tma)
 DQ_SWEEP = [
     (128, 64, 8, 3, False), (128, 32, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 2, True),
     (128, 32, 8, 3, True), (128, 32, 4, 4, True), (128, 128, 8, 2, True),
+    # 64-query programs, one warp group
+    (64, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
 ]
 # dk/dv kernel: (block_m, block_n, warps, stages, tma)
 DKDV_SWEEP = [
     (32, 128, 8, 3, False), (32, 128, 8, 2, False), (64, 128, 8, 2, False), (32, 128, 8, 3, True),
     (32, 128, 8, 2, True), (32, 128, 8, 4, True), (64, 128, 8, 2, True),
+    # 64-key programs, one warp group: 64-query steps keep the score products 64 wide
+    (64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 3, True),
+    (32, 64, 4, 3, False), (128, 64, 8, 2, True), (64, 64, 8, 2, True),
+    (32, 64, 4, 4, True), (32, 64, 4, 2, True), (16, 64, 4, 3, True), (16, 64, 4, 4, True),
+    (32, 64, 8, 3, True),
 ]
 # B, T, H, HKV, window, cu_seqlens
 ACCURACY_CASES = [
@@ -275,12 +284,17 @@ def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", action="store_true", help="time each kernel over candidate tile shapes")
+    ap.add_argument("--sweep", nargs="?", const="fwd,dq,dkdv", default="",
+                    help="time each kernel over candidate tile shapes; optionally only some kernels, "
+                         "comma-separated among fwd, dq, dkdv (default: all three)")
     ap.add_argument("--no-baselines", action="store_true", help="skip SDPA / flex / varlen_attn")
     ap.add_argument("--sdpa-only", action="store_true", help="of the baselines, time SDPA alone (no compiles)")
     ap.add_argument("--workers", type=int, default=8, help="processes that pre-compile kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     args = ap.parse_args()
+    swept = {x for x in args.sweep.split(",") if x}
+    if swept - {"fwd", "dq", "dkdv"}:
+        ap.error(f"--sweep: unknown kernel(s) {sorted(swept - {'fwd', 'dq', 'dkdv'})}; choose among fwd, dq, dkdv")
     if args.smoke:
         _smoke_setup()
     else:
@@ -305,9 +319,9 @@ def main():
               default_bwd.dq_num_stages, default_bwd.dq_tma)
     cur_dkdv = (default_bwd.block_m, default_bwd.block_n, default_bwd.num_warps, default_bwd.num_stages,
                 default_bwd.tma)
-    fwd_cands = [default_fwd] + [c for c in FWD_SWEEP if c != default_fwd] if args.sweep else []
-    dq_cands = [cur_dq] + [c for c in DQ_SWEEP if c != cur_dq] if args.sweep else []
-    dkdv_cands = [cur_dkdv] + [c for c in DKDV_SWEEP if c != cur_dkdv] if args.sweep else []
+    fwd_cands = [default_fwd] + [c for c in FWD_SWEEP if c != default_fwd] if "fwd" in swept else []
+    dq_cands = [cur_dq] + [c for c in DQ_SWEEP if c != cur_dq] if "dq" in swept else []
+    dkdv_cands = [cur_dkdv] + [c for c in DKDV_SWEEP if c != cur_dkdv] if "dkdv" in swept else []
     # (fwd, bwd) pairs to compile and check: one kernel swept, the others at the default
     sweep_pairs = [(c, default_bwd) for c in fwd_cands[1:]]
     sweep_pairs += [(default_fwd, dq_config(default_bwd, c)) for c in dq_cands[1:]]
@@ -464,7 +478,7 @@ def main():
 
     # ---- ours: per-kernel sweep, profiler split, then the end-to-end autograd path
     best_fwd, best_bwd = default_fwd, default_bwd
-    if args.sweep:
+    if swept:
         best_fwd, best_bwd = sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd)
         print(f"best: {best_fwd} {best_bwd}", flush=True)
         save()

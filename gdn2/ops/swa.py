@@ -109,12 +109,15 @@ def default_configs(head_dim: int, device: torch.device,
         return fit_shared_memory(FwdConfig(128, 64, 4, 3),
                                  BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3), head_dim, dtype)
     if head_dim <= 128:
-        # 32 x 128 tiles keep dk, dv (128 x 128 fp32 each) plus the two 128 x 32 score tiles within
-        # the register file; dq then comes from its own kernel. Larger query tiles spill and run
-        # at half the speed; the atomic-dq variant ran 15% slower. TMA loads (per-kernel sweep,
-        # bench/NOTES.md): forward 128 x 128 tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel even.
+        # dk/dv: 64-key programs of one warp group stepping over 32 queries keep dk, dv (64 x 128 fp32
+        # each) and the two 64 x 32 score tiles in registers, and two programs share an SM, so one's
+        # products overlap the other's exponentials: -7% against 128-key programs of two warp groups
+        # (larger query steps spill; the atomic-dq variant ran 15% slower, so dq has its own kernel).
+        # TMA loads (per-kernel sweeps, bench/NOTES.md): forward 128 x 128 tiles in 3 stages -7%, dq
+        # kernel -4%, dk/dv kernel -2%.
         return fit_shared_memory(FwdConfig(128, 128, 8, 3, tma=True),
-                                 BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3, dq_tma=True), head_dim, dtype)
+                                 BwdConfig(32, 64, 4, 3, False, 128, 64, 8, 3, tma=True, dq_tma=True),
+                                 head_dim, dtype)
     return fit_shared_memory(FwdConfig(64, 64, 8, 2),
                              BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1), head_dim, dtype)
 
