@@ -5,7 +5,7 @@
 Per training shape (bf16 q/k/v/b/w, fp32 g, K = V = 128): forward time (inference, no saved state),
 forward + backward time, the memory-traffic floor (bytes each must move / measured copy bandwidth) and
 the activation memory kept for the backward. Decode: one token through the recurrent kernels at batch
-1, 64, 256 (H = 16, state in and out). Times are medians of triton.testing.do_bench (warmup 10 ms,
+1, 64, 256 (H = 16, state in and out), called eagerly and from a CUDA graph. Times are medians of triton.testing.do_bench (warmup 10 ms,
 rep 50 ms). Order: ours at every shape, our decode, --profile (per-kernel CUDA time of ours at
 8 x 4096 x 16, forward + backward and inference forward), then the peer (whose first calls autotune
 for a long time) shape by shape while --budget-s seconds are left. The JSON is rewritten after every
@@ -131,13 +131,38 @@ def bench_training(B, T, H, impls, bw):
     save()
 
 
+GRAPH_CALLS = 16
+
+
+def graph_call_ms(make_call, calls=GRAPH_CALLS):
+    """GPU time of one call, from a CUDA graph of ``calls`` calls replayed by do_bench (which flushes L2
+    before each replay): no host launch overhead, as in generation, where the decode step runs as a
+    graph. ``make_call(i)`` returns call i; each call should use its own state, so that no call finds
+    another's state in L2."""
+    fns = [make_call(i) for i in range(calls)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile / autotune outside the capture
+        for f in fns[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return median_ms(graph.replay) / calls
+
+
 def bench_decode(impls):
+    """One decode step per implementation: eager (``*_decode_us_*``: one call as Python launches it,
+    mostly host time at these sizes) and inside a CUDA graph (``*_decode_graph_us_*``: GPU time)."""
     H = 16
     for Bd in (1, 64, 256):
         ins = [x.detach() for x in gpu_inputs(Bd, 1, H, K, V, seed=2)]
         st = torch.randn(Bd, H, K, V, device="cuda") * 0.1
         floor = 2 * st.numel() * 4
         rec(f"floor_decode_us_B{Bd}", round(floor / res["copy_bw_Bps"] * 1e6, 2))
+        states = [st.clone() for _ in range(GRAPH_CALLS)]
         for name, fn in impls:
             try:
                 with torch.inference_mode():
@@ -145,6 +170,13 @@ def bench_decode(impls):
                 rec(f"{name}_decode_us_B{Bd}", round(t * 1e3, 1))
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+            try:
+                with torch.inference_mode():
+                    t = graph_call_ms(lambda i: (lambda: fn(*ins, initial_state=states[i], output_final_state=True)))
+                rec(f"{name}_decode_graph_us_B{Bd}", round(t * 1e3, 1))
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        del states
         if any(name == "ours" for name, _ in impls):
             try:
                 cache = st.clone()
@@ -234,10 +266,12 @@ def main():
         sp = g("fla_fwdbwd_ms") / g("ours_fwdbwd_ms")
         print(f"| {tag} | {g('floor_fwd_ms')} | {g('ours_fwd_ms')} | {g('fla_fwd_ms')} | {g('floor_fwdbwd_ms')} | "
               f"{g('ours_fwdbwd_ms')} | {g('fla_fwdbwd_ms')} | {sp:.2f}x | {g('ours_saved_MB')} | {g('fla_saved_MB')} |")
-    print("\n| decode (T=1, H=16) | floor us | ours us | ours in-place us | fla us |\n|---|---|---|---|---|")
+    print("\n| decode (T=1, H=16) | floor us | ours us | ours in-place us | fla us | ours graph us | fla graph us |"
+          "\n|---|---|---|---|---|---|---|")
     for Bd in (1, 64, 256):
         print(f"| batch {Bd} | {res.get(f'floor_decode_us_B{Bd}')} | {res.get(f'ours_decode_us_B{Bd}')} | "
-              f"{res.get(f'ours_inplace_decode_us_B{Bd}')} | {res.get(f'fla_decode_us_B{Bd}')} |")
+              f"{res.get(f'ours_inplace_decode_us_B{Bd}')} | {res.get(f'fla_decode_us_B{Bd}')} | "
+              f"{res.get(f'ours_decode_graph_us_B{Bd}')} | {res.get(f'fla_decode_graph_us_B{Bd}')} |")
     save()
     if args.accuracy:
         from gpu_check_gdn2 import run_accuracy, table
