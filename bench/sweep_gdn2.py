@@ -49,7 +49,8 @@ SWEEPS = {
         cfg(1, r=128, BK=32), cfg(1, r=128, BK=16), cfg(1, BK=16)]),
     "qkbg": (bwd_mod, "gdn2_bwd_qkbg_kernel", [
         cfg(4, 3, BK=32, BV=64), cfg(4, 3, BK=32, BV=32), cfg(4, 1, BK=32, BV=128), cfg(4, 2, BK=32, BV=128),
-        cfg(4, 3, BK=16, BV=64), cfg(2, 3, BK=16, BV=64), cfg(8, 2, BK=32, BV=128), cfg(4, 2, r=168, BK=32, BV=64), cfg(8, 3, BK=64, BV=64)]),
+        cfg(4, 3, BK=16, BV=64), cfg(2, 3, BK=16, BV=64), cfg(8, 2, BK=32, BV=128), cfg(4, 2, r=168, BK=32, BV=64),
+        cfg(8, 3, BK=64, BV=64), cfg(4, 2, BK=32, BV=64), cfg(2, 3, BK=32, BV=64), cfg(8, 3, BK=32, BV=64)]),
     "fwd_scan": (fwd_mod, "gdn2_fwd_scan_kernel", [
         cfg(4, 3, BV=64), cfg(4, 2, BV=64), cfg(8, 2, BV=64), cfg(4, 2, BV=32), cfg(4, 3, BV=32), cfg(8, 2, BV=128),
         cfg(4, 3, BV=16), cfg(2, 3, BV=16)]),
