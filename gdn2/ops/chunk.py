@@ -44,6 +44,12 @@ def window_starts_buffer(lay: ChunkLayout, H: int, K: int, V: int, device) -> to
     return torch.empty(shape, device=device, dtype=torch.float32)
 
 
+def _intra_grid0(programs: int, exact: bool) -> int:
+    """First grid axis of an intra kernel launch: its ``programs`` chunk (or chunk x key block)
+    programs, or, for the exact-path launch, one program per EXACT_SPAN of them."""
+    return triton.cdiv(programs, EXACT_SPAN) if exact else programs
+
+
 def _size_bucket(n: int) -> int:
     # scan config key (GDN2_AUTOTUNE=1) and BV heuristic input: the next power of two of N * H
     return 1 << max(0, (max(n, 1) - 1).bit_length())
@@ -77,7 +83,7 @@ def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
     cu, info, _ = lay.kernel_args(steep)
     # anchored diagonal blocks everywhere, then the chunks flagged in ``steep`` again with the exact path
     for exact in (False, True):
-        gdn2_intra_kernel[(triton.cdiv(lay.NC, EXACT_SPAN) if exact else lay.NC, H)](
+        gdn2_intra_kernel[(_intra_grid0(lay.NC, exact), H)](
             q, k, g, b, aqk, amat, steep, cu, info, scale, lay.T, lay.NT, lay.NC,
             H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact,
             DOT_PREC=dot_precision(dt), BT=CHUNK, BC=SUB, SPAN=EXACT_SPAN)
@@ -173,11 +179,10 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     # row side (dqi, dbki) and column side (dki) in separate launches; one flag per program and side (at
     # most one per chunk, head and key channel); as in the forward, the programs flagged by the first
     # launch of a side run again with the exact diagonal path
-    steep = torch.empty(2, lay.NC * K, H, device=dev, dtype=torch.int32)
+    steep = torch.empty(2, H, lay.NC * K, device=dev, dtype=torch.int32)  # [side, head, program]
     for exact in (False, True):
         for side in (0, 1):
-            gdn2_bwd_intra_kernel[lambda meta: (triton.cdiv(lay.NC * triton.cdiv(K, meta["BK"]),
-                                                            EXACT_SPAN if exact else 1), H)](
+            gdn2_bwd_intra_kernel[lambda meta: (_intra_grid0(lay.NC * triton.cdiv(K, meta["BK"]), exact), H)](
                 q, k, b, g, daqk, dtm, dqi, dbki, dki, steep[side], cu, info, lay.T, lay.NT, lay.NC,
                 H=H, K=K, KP=padded(K), IS_VARLEN=lay.varlen, EXACT=exact, SIDE=side, DOT_PREC=prec, BT=CHUNK,
                 BC=SUB, SPAN=EXACT_SPAN)

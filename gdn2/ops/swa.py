@@ -111,10 +111,10 @@ def default_configs(head_dim: int, device: torch.device,
     if head_dim <= 128:
         # dk/dv: 64-key programs of one warp group stepping over 32 queries keep dk, dv (64 x 128 fp32
         # each) and the two 64 x 32 score tiles in registers, and two programs share an SM, so one's
-        # products overlap the other's exponentials: -7% against 128-key programs of two warp groups
-        # (larger query steps spill; the atomic-dq variant ran 15% slower, so dq has its own kernel).
-        # TMA loads (per-kernel sweeps, bench/NOTES.md): forward 128 x 128 tiles in 3 stages -7%, dq
-        # kernel -4%, dk/dv kernel -2%.
+        # products overlap the other's exponentials: 2.35 -> 2.07 ms at B8 T4096 against 128-key
+        # programs of two warp groups (larger query steps spill; the atomic-dq variant ran 15% slower,
+        # so dq has its own kernel). TMA loads (per-kernel sweeps, bench/NOTES.md): forward 128 x 128
+        # tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel 2.28 -> 2.07 ms.
         return fit_shared_memory(FwdConfig(128, 128, 8, 3, tma=True),
                                  BwdConfig(32, 64, 4, 3, False, 128, 64, 8, 3, tma=True, dq_tma=True),
                                  head_dim, dtype)
