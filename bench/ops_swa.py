@@ -4,14 +4,15 @@ One run does, in order:
 1. accuracy of our kernel in bf16 against a float32 explicit-mask oracle (T not a multiple of the
    tile, W > T, W = 1, grouped KV heads, full causal, cu_seqlens): relative error of o, dq, dk, dv,
    for the default tiles, the all-TMA tiles and (with --sweep) every swept tile shape;
-2. with --sweep: each kernel alone (forward, dq, dk/dv) timed over candidate tile shapes at both
-   benchmark shapes, printed as one table per kernel; the best of each kernel over both shapes makes
-   the "ours_best" configuration;
+2. with --sweep: each kernel alone (forward, dq, dk/dv; dq from the stored ds as the whole backward)
+   timed over candidate tile shapes at both benchmark shapes, printed as one table per kernel; the
+   best of each kernel over both shapes makes the "ours_best" configuration;
 3. a torch.profiler split of one forward + backward of the default configuration per kernel;
 4. forward and forward + backward times (``triton.testing.do_bench`` medians) at
-   B 8 x T 4096 and B 2 x T 16384, 18 heads x 128, window 2048, bf16, for: ours (default tiles and
-   the sweep's best), SDPA full causal, compiled flex_attention with a sliding-window block mask,
-   and ``torch.nn.attention.varlen.varlen_attn`` with window (W-1, 0) where it exists.
+   B 8 x T 4096 and B 2 x T 16384, 18 heads x 128, window 2048, bf16, for: ours (default tiles, the
+   sweep's best, and the default with the other way to dq: recomputing kernel or stored ds), SDPA
+   full causal, compiled flex_attention with a sliding-window block mask, and
+   ``torch.nn.attention.varlen.varlen_attn`` with window (W-1, 0) where it exists.
 
 Prints a table (time, ratio to SDPA full causal, TFLOP/s of each backend's own mask) and writes
 JSON to $OUT/ops_swa.json (./bench_out when OUT is unset).
@@ -44,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from gdn2.ops.reference import sliding_window_attention_reference  # noqa: E402
 from gdn2.ops.swa import (BwdConfig, FwdConfig, default_configs, sliding_window_attention_triton,  # noqa: E402
-                          swa_backward_dkdv, swa_backward_dq, swa_forward)
+                          swa_backward, swa_backward_dkdv, swa_backward_dq, swa_forward)
 
 SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128, W=2048)]
 
@@ -63,6 +64,8 @@ DQ_SWEEP = [
     # 64-query programs, one warp group
     (64, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
 ]
+# dq from the stored ds: (ds_block_m, ds_num_warps, ds_num_stages), timed as the whole backward
+DS_SWEEP = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 4), (64, 4, 4), (128, 4, 2), (64, 4, 2)]
 # dk/dv kernel: (block_m, block_n, warps, stages, tma)
 DKDV_SWEEP = [
     (32, 128, 8, 3, False), (32, 128, 8, 2, False), (64, 128, 8, 2, False), (32, 128, 8, 3, True),
@@ -91,13 +94,15 @@ DTYPE = torch.bfloat16
 def _smoke_setup():
     """--smoke: the same code path on CPU under the Triton interpreter with tiny shapes and tiles
     (fp32 inputs: the interpreter's bf16 products are wrong), to check the script, not the speed."""
-    global SHAPES, FWD_SWEEP, DQ_SWEEP, DKDV_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE, SWEEP_ACCURACY_CASE
+    global SHAPES, FWD_SWEEP, DQ_SWEEP, DKDV_SWEEP, DS_SWEEP, ACCURACY_CASES, ACC_D, DEVICE, DTYPE
+    global SWEEP_ACCURACY_CASE
     os.environ["TRITON_INTERPRET"] = "1"
     DEVICE, DTYPE, ACC_D = "cpu", torch.float32, 16
     SHAPES = [dict(B=1, T=70, H=2, D=16, W=20), dict(B=1, T=90, H=2, D=16, W=20)]
     FWD_SWEEP = [FwdConfig(16, 16, 4, 1), FwdConfig(16, 16, 4, 1, True)]
     DQ_SWEEP = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
     DKDV_SWEEP = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
+    DS_SWEEP = [(16, 4, 1), (32, 4, 1)]
     ACCURACY_CASES = [(1, 45, 2, 1, 8, None), (1, 40, 2, 2, 1, None), (1, 30, 2, 1, None, None),
                       (1, 50, 2, 1, 6, [0, 1, 20, 50]), (1, 37, 2, 2, 100, None), (1, 60, 2, 1, 9, None)]
     SWEEP_ACCURACY_CASE = (1, 60, 2, 1, 9, None)
@@ -106,7 +111,8 @@ def _smoke_setup():
 def _defaults():
     f, b = default_configs(ACC_D if DEVICE == "cpu" else 128, torch.device(DEVICE))
     if DEVICE == "cpu":  # the interpreter's defaults are tiny already; sweep around 16 x 16 tiles
-        f, b = FwdConfig(16, 16, 4, 1), BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1)
+        f, b = FwdConfig(16, 16, 4, 1), BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1, dq_from_ds=True,
+                                                  ds_block_m=16, ds_num_stages=1)
     return f, b
 
 
@@ -118,6 +124,11 @@ def dq_config(base: BwdConfig, c) -> BwdConfig:
 def dkdv_config(base: BwdConfig, c) -> BwdConfig:
     bm, bn, w, st, tma = c
     return replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st, tma=tma)
+
+
+def ds_config(base: BwdConfig, c) -> BwdConfig:
+    bm, w, st = c
+    return replace(base, dq_from_ds=True, ds_block_m=bm, ds_num_warps=w, ds_num_stages=st)
 
 
 def tma_everywhere(f: FwdConfig, b: BwdConfig):
@@ -231,14 +242,17 @@ def kernel_split(fn, iters=5) -> dict:
 def _label(c) -> str:
     if isinstance(c, FwdConfig):
         c = (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma)
+    if len(c) == 3:  # dq-from-ds tiles
+        return "{} queries w{} s{}".format(*c)
     return "{}x{} w{} s{}{}".format(*c[:4], " tma" if c[4] else "")
 
 
-def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd):
-    """Times each kernel alone over its candidates at every benchmark shape; returns the best
-    forward config and the backward config made of the best dq and dk/dv candidates (the lowest
-    sum over shapes of time / default's time)."""
-    times = dict(fwd={}, dq={}, dkdv={})  # kernel -> candidate -> [ms per shape]
+def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, ds_cands, default_fwd, default_bwd):
+    """Times each kernel alone over its candidates at every benchmark shape (the dq-from-ds tiles as
+    the whole backward, the kernel needing the dk/dv pass's ds); returns the best forward config and
+    the backward config made of the best candidates (the lowest mean over shapes of time / default's
+    time). The dk/dv candidates are timed without storing ds."""
+    times = dict(fwd={}, dq={}, dkdv={}, ds={})  # kernel -> candidate -> [ms per shape]
     for shp in SHAPES:
         B, T, H, D, W = shp["B"], shp["T"], shp["H"], shp["D"], shp["W"]
         q, k, v, do = make_inputs(B, T, H, H, D, seed=7)
@@ -254,10 +268,14 @@ def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd
             cfg = dkdv_config(default_bwd, c)
             times["dkdv"].setdefault(c, []).append(
                 bench(lambda: swa_backward_dkdv(do, q, k, v, lse, delta, W, config=cfg), rep=100))
+        for c in ds_cands:
+            cfg = ds_config(default_bwd, c)
+            times["ds"].setdefault(c, []).append(
+                bench(lambda: swa_backward(do, q, k, v, o, lse, W, config=cfg), rep=100))
         empty_cache()
     tags = [f"B{s['B']}_T{s['T']}" for s in SHAPES]
     best = {}
-    for kern, default in (("fwd", default_fwd), ("dq", None), ("dkdv", None)):
+    for kern in ("fwd", "dq", "dkdv", "ds"):
         rows = times[kern]
         if not rows:
             continue
@@ -278,23 +296,26 @@ def sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd
         best_bwd = dq_config(best_bwd, best["dq"])
     if "dkdv" in best:
         best_bwd = dkdv_config(best_bwd, best["dkdv"])
+    if "ds" in best and default_bwd.dq_from_ds:
+        best_bwd = ds_config(best_bwd, best["ds"])
     res["sweep"]["best_fwd"], res["sweep"]["best_bwd"] = asdict(best_fwd), asdict(best_bwd)
     return best_fwd, best_bwd
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", nargs="?", const="fwd,dq,dkdv", default="",
+    ap.add_argument("--sweep", nargs="?", const="fwd,dq,dkdv,ds", default="",
                     help="time each kernel over candidate tile shapes; optionally only some kernels, "
-                         "comma-separated among fwd, dq, dkdv (default: all three)")
+                         "comma-separated among fwd, dq, dkdv, ds (dq from the stored ds; default: all)")
     ap.add_argument("--no-baselines", action="store_true", help="skip SDPA / flex / varlen_attn")
     ap.add_argument("--sdpa-only", action="store_true", help="of the baselines, time SDPA alone (no compiles)")
     ap.add_argument("--workers", type=int, default=8, help="processes that pre-compile kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     args = ap.parse_args()
     swept = {x for x in args.sweep.split(",") if x}
-    if swept - {"fwd", "dq", "dkdv"}:
-        ap.error(f"--sweep: unknown kernel(s) {sorted(swept - {'fwd', 'dq', 'dkdv'})}; choose among fwd, dq, dkdv")
+    kinds = {"fwd", "dq", "dkdv", "ds"}
+    if swept - kinds:
+        ap.error(f"--sweep: unknown kernel(s) {sorted(swept - kinds)}; choose among {', '.join(sorted(kinds))}")
     if args.smoke:
         _smoke_setup()
     else:
@@ -314,6 +335,8 @@ def main():
     print(f"{res['gpu']} torch {res['torch']} triton {res['triton']}", flush=True)
     default_fwd, default_bwd = _defaults()
     tma_fwd, tma_bwd = tma_everywhere(default_fwd, default_bwd)
+    # the other way to dq (recomputing kernel <-> from the stored ds), checked and timed beside
+    alt_bwd = replace(default_bwd, dq_from_ds=not default_bwd.dq_from_ds)
     # the current default comes first in each candidate list (the sweep's reference row)
     cur_dq = (default_bwd.dq_block_m, default_bwd.dq_block_n, default_bwd.dq_num_warps,
               default_bwd.dq_num_stages, default_bwd.dq_tma)
@@ -322,10 +345,14 @@ def main():
     fwd_cands = [default_fwd] + [c for c in FWD_SWEEP if c != default_fwd] if "fwd" in swept else []
     dq_cands = [cur_dq] + [c for c in DQ_SWEEP if c != cur_dq] if "dq" in swept else []
     dkdv_cands = [cur_dkdv] + [c for c in DKDV_SWEEP if c != cur_dkdv] if "dkdv" in swept else []
+    cur_ds = (default_bwd.ds_block_m, default_bwd.ds_num_warps, default_bwd.ds_num_stages)
+    ds_cands = [cur_ds] + [c for c in DS_SWEEP if c != cur_ds] if "ds" in swept else []
     # (fwd, bwd) pairs to compile and check: one kernel swept, the others at the default
     sweep_pairs = [(c, default_bwd) for c in fwd_cands[1:]]
-    sweep_pairs += [(default_fwd, dq_config(default_bwd, c)) for c in dq_cands[1:]]
+    # the recomputing dq kernel's tiles are checked on that path
+    sweep_pairs += [(default_fwd, replace(dq_config(default_bwd, c), dq_from_ds=False)) for c in dq_cands[1:]]
     sweep_pairs += [(default_fwd, dkdv_config(default_bwd, c)) for c in dkdv_cands[1:]]
+    sweep_pairs += [(default_fwd, ds_config(default_bwd, c)) for c in ds_cands[1:]]
 
     # ---- pre-compile in parallel: defaults and all-TMA tiles on every accuracy case, sweep tiles on
     # the bench shape (checked at T = 4080: not a multiple of 32 or more, yet the same kernel
@@ -334,6 +361,8 @@ def main():
     jobs = [(None, None, [c]) for c in ACCURACY_CASES] + [(None, None, [bench_job])]
     if (tma_fwd, tma_bwd) != (default_fwd, default_bwd):
         jobs += [(tma_fwd, tma_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
+    if alt_bwd is not None:
+        jobs += [(default_fwd, alt_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
     jobs += [(f, b, [bench_job]) for f, b in sweep_pairs]
     failed = {}
     pool = None
@@ -433,6 +462,7 @@ def main():
     variants = [("default", None, None)]
     if (tma_fwd, tma_bwd) != (default_fwd, default_bwd):
         variants.append(("tma", tma_fwd, tma_bwd))
+    variants.append(("dq_from_ds" if alt_bwd.dq_from_ds else "dq_recompute", default_fwd, alt_bwd))
     for vname, fc, bc in variants:
         for case in ACCURACY_CASES:
             errs = accuracy_case(case, fc, bc)
@@ -463,9 +493,11 @@ def main():
         key = str((f, b))
         return key not in failed and key not in bad_pairs
     fwd_cands = [c for i, c in enumerate(fwd_cands) if i == 0 or usable(c, default_bwd)]
-    dq_cands = [c for i, c in enumerate(dq_cands) if i == 0 or usable(default_fwd, dq_config(default_bwd, c))]
+    dq_cands = [c for i, c in enumerate(dq_cands)
+                if i == 0 or usable(default_fwd, replace(dq_config(default_bwd, c), dq_from_ds=False))]
     dkdv_cands = [c for i, c in enumerate(dkdv_cands)
                   if i == 0 or usable(default_fwd, dkdv_config(default_bwd, c))]
+    ds_cands = [c for i, c in enumerate(ds_cands) if i == 0 or usable(default_fwd, ds_config(default_bwd, c))]
 
     # ---- baselines
     for tag, backend, mode, fn, flops in baselines:
@@ -479,7 +511,8 @@ def main():
     # ---- ours: per-kernel sweep, profiler split, then the end-to-end autograd path
     best_fwd, best_bwd = default_fwd, default_bwd
     if swept:
-        best_fwd, best_bwd = sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, default_fwd, default_bwd)
+        best_fwd, best_bwd = sweep_kernels(res, fwd_cands, dq_cands, dkdv_cands, ds_cands, default_fwd,
+                                           default_bwd)
         print(f"best: {best_fwd} {best_bwd}", flush=True)
         save()
     variants = [("ours_default", default_fwd, default_bwd)]
@@ -487,6 +520,7 @@ def main():
         variants.append(("ours_best", best_fwd, best_bwd))
     if (tma_fwd, tma_bwd) not in [(f, b) for _, f, b in variants]:
         variants.append(("ours_all_tma", tma_fwd, tma_bwd))
+    variants.append(("ours_dq_from_ds" if alt_bwd.dq_from_ds else "ours_dq_recompute", default_fwd, alt_bwd))
     for shp in SHAPES:
         B, T, H, D, W = shp["B"], shp["T"], shp["H"], shp["D"], shp["W"]
         tag = f"B{B}_T{T}"

@@ -12,11 +12,14 @@ the backward.
 
 Backward (FA2 style): ``delta = rowsum(o * do)``; one program per key block and KV head walks over
 the query blocks that see it, for every query head of its group, and accumulates dk and dv in
-registers (so grouped heads need no repeated K/V and no atomics for dk/dv). dq either comes from a
-kernel that walks key blocks per query block and runs first, writing delta on the way (seven
-products per block pair in all, deterministic, the default: its tiles fit the register file), or
-from the dk/dv pass itself through fp32 atomic adds (five products, but the atomics and register
-spills made it slower on an H200).
+registers (so grouped heads need no repeated K/V and no atomics for dk/dv). dq comes, by default,
+from ds itself: the dk/dv pass stores each ds tile (16-bit, as the products use it; TMA stores on
+Hopper) into a scratch of one [key block, window + key block] slab per head, and a second kernel
+multiplies it back with k (five products per block pair, deterministic; the scratch is bounded by
+``GDN2_SWA_DS_SCRATCH_MB``, and the heads run in groups that fit). Otherwise (fp32 inputs on a GPU,
+or a head whose slabs alone exceed the bound) dq comes from a kernel that walks key blocks per query
+block and runs first, writing delta on the way (seven products), or, as an option, from the dk/dv
+pass itself through fp32 atomic adds (slower on an H200).
 
 On Hopper the tiles a loop streams (k and v in the forward and dq kernels, q and do in the dk/dv
 kernel) can come through TMA descriptors over the [B*T, H*D] view (``FwdConfig.tma``,
@@ -45,7 +48,7 @@ LN2 = 0.6931471805599453
 
 __all__ = [
     "FwdConfig", "BwdConfig", "sliding_window_attention_triton", "swa_forward", "swa_backward",
-    "swa_backward_dq", "swa_backward_dkdv",
+    "swa_backward_dq", "swa_backward_dkdv", "ds_plan", "ds_scratch_limit",
     "key_block_range", "query_block_range", "default_configs",
 ]
 
@@ -74,6 +77,14 @@ class BwdConfig:
     k^T ds^T, for small ``block_m``); otherwise a second kernel computes dq with ``dq_block_m``
     queries per program stepping over ``dq_block_n`` keys. ``tma`` / ``dq_tma``: the streamed tiles
     (q and do in the dk/dv kernel, k and v in the dq kernel) come through Hopper TMA descriptors.
+
+    ``dq_from_ds``: the dk/dv pass also stores ds (in the inputs' dtype, as the products use it) into
+    a scratch buffer, and dq comes from a kernel of one product per block, ds k, that reads it back
+    (``ds_block_m`` queries per program, ``ds_num_warps``, ``ds_num_stages``, stepping over the dk/dv
+    kernel's ``block_n`` keys; ``dq_tma``: ds and k tiles through TMA): five products per block pair
+    instead of seven, for ~2 bytes per visible (query, key) pair written and read. The scratch is
+    bounded by ``GDN2_SWA_DS_SCRATCH_MB`` (the backward then runs in groups of heads that fit it);
+    where one head alone does not fit (long full-causal rows), the recomputing dq kernel runs.
     """
     block_m: int = 32
     block_n: int = 128
@@ -87,6 +98,10 @@ class BwdConfig:
     dq_transposed: bool = False
     tma: bool = False
     dq_tma: bool = False
+    dq_from_ds: bool = False
+    ds_block_m: int = 128
+    ds_num_warps: int = 4
+    ds_num_stages: int = 3
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -104,7 +119,7 @@ def default_configs(head_dim: int, device: torch.device,
     """
     if _interpreted(device):
         return (FwdConfig(32, 16, 4, 1),
-                BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1))
+                BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1, dq_from_ds=True, ds_block_m=32, ds_num_stages=1))
     if head_dim <= 64:
         return fit_shared_memory(FwdConfig(128, 64, 4, 3),
                                  BwdConfig(32, 128, 8, 3, False, 128, 64, 8, 3), head_dim, dtype)
@@ -114,9 +129,12 @@ def default_configs(head_dim: int, device: torch.device,
         # products overlap the other's exponentials: 2.35 -> 2.07 ms at B8 T4096 against 128-key
         # programs of two warp groups (larger query steps spill; the atomic-dq variant ran 15% slower,
         # so dq has its own kernel). TMA loads (per-kernel sweeps, bench/NOTES.md): forward 128 x 128
-        # tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel 2.28 -> 2.07 ms.
+        # tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel 2.28 -> 2.07 ms. dq from the stored ds
+        # (128-query programs of one warp group, 3 stages): backward 3.27 -> 3.01 ms at B8 T4096,
+        # 4.18 -> 3.76 ms at B2 T16384 (the dk/dv pass pays ~0.4 ms for the stores).
         return fit_shared_memory(FwdConfig(128, 128, 8, 3, tma=True),
-                                 BwdConfig(32, 64, 4, 3, False, 128, 64, 8, 3, tma=True, dq_tma=True),
+                                 BwdConfig(32, 64, 4, 3, False, 128, 64, 8, 3, tma=True, dq_tma=True,
+                                           dq_from_ds=True, ds_block_m=128, ds_num_warps=4, ds_num_stages=3),
                                  head_dim, dtype)
     return fit_shared_memory(FwdConfig(64, 64, 8, 2),
                              BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1), head_dim, dtype)
@@ -280,6 +298,17 @@ def _load_pair(a_base, b_base, a_desc, b_desc, row0, col0, first, rows, stride, 
 
 
 @triton.jit
+def _load_streamed(base, desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len,
+                   MASKED: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
+    """One streamed tile, as ``_load_pair`` loads two."""
+    if TMA:
+        x = desc.load([row0 + first, col0])
+    else:
+        x = _load_tile(base + _tile_offsets(rows, stride, offs_d, WIDE), rows, seq_len, mask_d, MASKED, EVEN_D)
+    return x
+
+
+@triton.jit
 def _fwd_key_loop(acc, l_i, m_i, visits, q, k_base, v_base, k_desc, v_desc, row0, col0, kv_stride,
                   offs_m, offs_n, offs_d, mask_d, start, end, seq_len, WINDOW, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -413,11 +442,12 @@ def _query_bounds(n0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row0, col0, dq_base,
-                     lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d, start, end,
-                     seq_len, WINDOW, qk_scale, scale,
+                     lse_base, delta_base, ds_base, ds_desc, ds_row, q_stride, offs_n, offs_m_tile, offs_d,
+                     mask_d, start, end, n0, seq_len, WINDOW, Q_SPAN, qk_scale, scale,
                      BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
-                     PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
+                     STORE_DS: tl.constexpr, DS_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                     WIDE: tl.constexpr, TMA: tl.constexpr):
     # transposed space: rows are keys, columns are queries, so dk and dv come out without transposes
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m_tile
@@ -442,6 +472,14 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+        if STORE_DS:
+            # the key block's slab is key-major: row = key - n0, column = query - n0 (< Q_SPAN by the
+            # loop bounds); masked pairs hold zeros. TMA stores asynchronously from shared memory;
+            # the pointer store's [BLOCK_N, BLOCK_M] 64-bit addresses cost registers (+20% time)
+            if DS_TMA:
+                ds_desc.store([ds_row, m0 - n0], ds_t)
+            else:
+                tl.store(ds_base + (offs_n - n0)[:, None] * Q_SPAN + (rows - n0)[None, :], ds_t)
         if ATOMIC_DQ and DQ_TRANSPOSED:
             # dq^T = k^T ds^T keeps the long key axis as the product's M dimension, which suits
             # small BLOCK_M (Hopper's warp-group products want M >= 64 per warp group)
@@ -473,15 +511,17 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row
 
 
 @triton.jit
-def _swa_bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_ACC, CU, TABLE, VISITS, T,
-                         H, HKV, WINDOW, qk_scale, scale, NUM_BLOCKS,
+def _swa_bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_ACC, DS, DS_DESC, CU, TABLE,
+                         VISITS, T, H, HKV, WINDOW, qk_scale, scale, NUM_BLOCKS, Q_SPAN, ROW0,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+                         ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, STORE_DS: tl.constexpr,
+                         DS_TMA: tl.constexpr,
                          RECORD_VISITS: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                          TMA: tl.constexpr):
     pid = tl.program_id(0)
-    bhk = tl.program_id(1)
+    # a launch covers the (batch, KV head) rows ROW0 .. ROW0 + grid[1] - 1; DS holds their slabs
+    bhk = tl.program_id(1) + ROW0
     b = bhk // HKV
     hk = bhk % HKV
     group = H // HKV
@@ -509,21 +549,28 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_AC
         dq_base = DQ_ACC + bos.to(tl.int64) * q_stride + h * D
         lse_base = LSE + (b * H + h).to(tl.int64) * T + bos - b * T
         delta_base = DELTA + (b * H + h).to(tl.int64) * T + bos - b * T
+        # one [BLOCK_N, Q_SPAN] slab per (query head, key block), in launch order
+        slab = (tl.program_id(1) * group + g) * NUM_BLOCKS + pid
+        ds_base = DS + slab.to(tl.int64) * (BLOCK_N * Q_SPAN)
+        ds_row = slab * BLOCK_N  # in the [slabs * BLOCK_N, Q_SPAN] view (int32: the scratch is capped)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
-                                          n0, diag_end, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
+                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          q_stride, offs_n, offs_m_tile, offs_d, mask_d, n0, diag_end, n0,
+                                          seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, True, HAS_WINDOW,
+                                          EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
+                                          TMA)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
-                                          a, b_int, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, False, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
+                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          q_stride, offs_n, offs_m_tile, offs_d, mask_d, a, b_int, n0,
+                                          seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, False, HAS_WINDOW,
+                                          EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
+                                          TMA)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, q_stride, offs_n, offs_m_tile, offs_d, mask_d,
-                                          b_int, q_hi, seq_len, WINDOW, qk_scale, scale,
-                                          BLOCK_M, True, HAS_WINDOW, EVEN_D, ATOMIC_DQ,
-                                          DQ_TRANSPOSED, PRECISION, WIDE, TMA)
+                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          q_stride, offs_n, offs_m_tile, offs_d, mask_d, b_int, q_hi, n0,
+                                          seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, True, HAS_WINDOW,
+                                          EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
+                                          TMA)
     # offsets recomputed here rather than kept live (in registers) across the loops
     kv_off = (bos + offs_n).to(tl.int64)[:, None] * kv_stride + hk * D + offs_d[None, :]
     st_mask = (offs_n < seq_len)[:, None] & mask_d[None, :]
@@ -603,6 +650,85 @@ def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE
                       HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA)
     q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _dq_ds_key_loop(dq, ds_head, ds_desc, slab0, kb0, k_base, k_desc, row0, col0, kv_stride, offs_m, offs_n,
+                    offs_d, mask_d, m0, start, end, seq_len, WINDOW, Q_SPAN, BLOCK_N: tl.constexpr,
+                    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                    PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr, DS_TMA: tl.constexpr):
+    row_ok = offs_m < seq_len
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        # ds^T tile [keys, queries] of slab kb0 + n0 / BLOCK_N. The dk/dv pass wrote every visible
+        # pair and only those count: the rest of a slab is uninitialised, so masked blocks select
+        # the visible pairs, and in an unmasked block (visible to every query row below seq_len) rows
+        # past seq_len only reach dq rows that are never stored.
+        if MASKED:
+            keep = (cols[:, None] <= offs_m[None, :]) & row_ok[None, :]
+            if HAS_WINDOW:
+                keep = keep & (offs_m[None, :] - cols[:, None] < WINDOW)
+        if DS_TMA:  # columns outside [0, Q_SPAN) (a diagonal block's first rows) load as zeros
+            ds_t = ds_desc.load([(slab0 + kb0 + n0 // BLOCK_N) * BLOCK_N, m0 - n0])
+            if MASKED:
+                ds_t = tl.where(keep, ds_t, 0.0)
+        else:
+            slab = ds_head + (kb0 + n0 // BLOCK_N).to(tl.int64) * (BLOCK_N * Q_SPAN)
+            ptrs = slab + offs_n[:, None] * Q_SPAN + (offs_m - n0)[None, :]
+            if MASKED:
+                ds_t = tl.load(ptrs, mask=keep, other=0.0)
+            else:
+                ds_t = tl.load(ptrs, mask=row_ok[None, :], other=0.0)
+        k = _load_streamed(k_base, k_desc, row0, col0, n0, cols, kv_stride, offs_d, mask_d, seq_len, MASKED,
+                           EVEN_D, WIDE, TMA)
+        dq = tl.dot(tl.trans(ds_t), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _swa_bwd_dq_ds_kernel(DS, DS_DESC, K, K_DESC, DQ, CU, TABLE, KB_START, T, H, HKV, WINDOW, scale,
+                          NUM_BLOCKS, NUM_SLABS, Q_SPAN, ROW0, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                          TMA: tl.constexpr, DS_TMA: tl.constexpr):
+    """dq = scale * ds k from the slabs the dk/dv pass stored (BLOCK_N = its key block)."""
+    pid = tl.program_id(0)
+    # a launch covers the (batch, query head) rows ROW0 .. ROW0 + grid[1] - 1
+    bh = tl.program_id(1) + ROW0
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
+    if IS_VARLEN:  # the dk/dv launch's program (= slab) of the sequence's first key block
+        kb0 = tl.load(KB_START + tl.maximum(tl.load(TABLE + 2 * pid), 0))
+    else:
+        kb0 = 0 * pid
+    EVEN_D: tl.constexpr = BLOCK_D == D
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    kv_stride = HKV * D
+    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
+    ds_head = DS + (tl.program_id(1).to(tl.int64) * NUM_SLABS) * (BLOCK_N * Q_SPAN)
+    slab0 = tl.program_id(1) * NUM_SLABS
+
+    lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+                         offs_n, offs_d, mask_d, m0, lo, a, seq_len, WINDOW, Q_SPAN, BLOCK_N, True,
+                         HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
+    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+                         offs_n, offs_d, mask_d, m0, a, b_int, seq_len, WINDOW, Q_SPAN, BLOCK_N, False,
+                         HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
+    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+                         offs_n, offs_d, mask_d, m0, b_int, hi, seq_len, WINDOW, Q_SPAN, BLOCK_N, True,
+                         HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
+    q_stride = H * D
+    q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
+    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty),
+             mask=(offs_m < seq_len)[:, None] & mask_d[None, :])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -777,25 +903,116 @@ def swa_backward_dkdv(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       visits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dk/dv kernel alone: returns dk, dv. With ``config.atomic_dq`` it also adds dq (unscaled
     layout [B,T,H,D], fp32) into ``dq_acc``. Contiguous inputs of one dtype expected."""
+    scale, cfg, _ = _defaults(q, scale, config, backward=True)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg, dq_acc=dq_acc,
+                 visits=visits)
+    return dk, dv
+
+
+def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg: BwdConfig, *,
+                 dq_acc=None, ds=None, q_span=0, rows=None, visits=None) -> None:
+    """One dk/dv launch over the (batch, KV head) rows ``rows`` (start, count; default all), writing
+    their dk and dv; with ``ds`` also their ds slabs (``q_span`` queries per key block)."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    row0, n_rows = rows if rows is not None else (0, B * HKV)
     has_window, w = _window_args(window, T)
     grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
     if visits is not None and visits.numel() < grid0 * B * HKV:
         raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
     tma = _tma_usable(cfg.tma, D, BLOCK_D, q, do)
-    _swa_bwd_dkdv_kernel[(grid0, B * HKV)](
+    ds_tma = ds is not None and tma
+    _swa_bwd_dkdv_kernel[(grid0, n_rows)](
         q, k, v, do, _tma_descriptor(tma, q, cfg.block_m, D), _tma_descriptor(tma, do, cfg.block_m, D),
-        lse, delta, dk, dv, dq_acc if dq_acc is not None else delta, cu, table if table is not None else cu,
-        visits if visits is not None else delta, T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks,
+        lse, delta, dk, dv, dq_acc if dq_acc is not None else delta, ds if ds is not None else delta,
+        _slab_descriptor(ds, q_span, [cfg.block_n, cfg.block_m]) if ds_tma else delta, cu,
+        table if table is not None else cu, visits if visits is not None else delta,
+        T, H, HKV, w, float(scale) * LOG2E, float(scale), n_blocks, q_span, row0,
         D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
         IS_VARLEN=cu_seqlens is not None, ATOMIC_DQ=cfg.atomic_dq, DQ_TRANSPOSED=cfg.dq_transposed,
-        RECORD_VISITS=visits is not None, PRECISION=_precision(q.dtype), WIDE=_wide_offsets(T, H, BLOCK_D),
-        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dk, dv
+        STORE_DS=ds is not None, DS_TMA=ds_tma, RECORD_VISITS=visits is not None, PRECISION=_precision(q.dtype),
+        WIDE=_wide_offsets(T, H, BLOCK_D), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_dq_from_ds(ds, k, dq, q_span, n_slabs, kb_start, window, scale, cu_seqlens, cfg: BwdConfig,
+                       rows) -> None:
+    """dq of the (batch, query head) rows ``rows`` (start, count) from their ds slabs (``n_slabs`` per
+    row; ``kb_start``: each packed sequence's first slab)."""
+    B, T, H, D = dq.shape
+    HKV = k.shape[2]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    has_window, w = _window_args(window, T)
+    grid0, n_blocks, table, cu = _launch_geometry(dq, cu_seqlens, cfg.ds_block_m)
+    tma = _tma_usable(cfg.dq_tma, D, BLOCK_D, k)
+    _swa_bwd_dq_ds_kernel[(grid0, rows[1])](
+        ds, _slab_descriptor(ds, q_span, [cfg.block_n, cfg.ds_block_m]) if tma else ds,
+        k, _tma_descriptor(tma, k, cfg.block_n, D), dq, cu, table if table is not None else cu,
+        kb_start if kb_start is not None else cu,
+        T, H, HKV, w, float(scale), n_blocks, n_slabs, q_span, rows[0],
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.ds_block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=has_window,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=_precision(dq.dtype), WIDE=_wide_offsets(T, H, BLOCK_D),
+        TMA=tma, DS_TMA=tma, num_warps=cfg.ds_num_warps, num_stages=cfg.ds_num_stages)
+
+
+def _slab_descriptor(ds: torch.Tensor, q_span: int, block: list[int]):
+    """TMA descriptor over the ds scratch viewed as [slabs * block_n, q_span] (rows are keys)."""
+    view = ds.view(-1, q_span)
+    return TensorDescriptor(view, shape=list(view.shape), strides=list(view.stride()), block_shape=block)
+
+
+def ds_scratch_limit() -> int:
+    """Bytes the dq-from-ds backward may hold for ds at once (``GDN2_SWA_DS_SCRATCH_MB``, default 2048)."""
+    raw = os.environ.get("GDN2_SWA_DS_SCRATCH_MB", "2048")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"GDN2_SWA_DS_SCRATCH_MB must be a number of MiB, got {raw!r}") from None
+    return int(mb * 2 ** 20)
+
+
+def ds_plan(q: torch.Tensor, k: torch.Tensor, window: Optional[int], cu_seqlens: Optional[torch.Tensor],
+            cfg: BwdConfig, limit: Optional[int] = None) -> Optional[tuple[int, int]]:
+    """(queries per slab, KV-head rows per launch) of the dq-from-ds backward, or None where it does not
+    apply: off in ``cfg``, atomic dq, fp32 inputs on a GPU (its transposed tf32 operand is not a
+    Hopper product), or one KV head's slabs over the scratch limit."""
+    if not cfg.dq_from_ds or cfg.atomic_dq or (q.element_size() > 2 and not _interpreted(q.device)):
+        return None
+    B, T, H, _ = q.shape
+    HKV = k.shape[2]
+    has_window, w = _window_args(window, T)
+    span = _cdiv(cfg.block_n - 1 + (w if has_window else T), cfg.block_m) * cfg.block_m
+    n_slabs = _launch_geometry(q, cu_seqlens, cfg.block_n)[0] if cu_seqlens is not None \
+        else triton.cdiv(T, cfg.block_n)
+    per_row = (H // HKV) * n_slabs * cfg.block_n * span * q.element_size()
+    limit = ds_scratch_limit() if limit is None else limit
+    if per_row > limit:
+        return None
+    launches = _cdiv(B * HKV, limit // per_row)
+    return span, _cdiv(B * HKV, launches)  # equal launches rather than a full one and a remainder
+
+
+def _block_starts(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 [N]: index of each sequence's first block in a varlen launch's table (``_block_table``)."""
+    cu = cu_seqlens.long()
+    n_blocks = (cu[1:] - cu[:-1] + block - 1) // block
+    return (torch.cumsum(n_blocks, 0) - n_blocks).to(torch.int32)
+
+
+def _ds_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # uninitialised: the dk/dv pass writes every pair the dq kernel reads (tests fill it with NaN)
+    return torch.empty(numel, device=device, dtype=dtype)
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """fp32 [B,H,T] rowsum(o * do)."""
+    B, T, H, D = o.shape
+    BLOCK_T = 64
+    delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
+    _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
+                                                       BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+    return delta
 
 
 def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -809,20 +1026,35 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     visited, summed over the query heads of its group.
     """
     B, T, H, D = q.shape
+    HKV = k.shape[2]
     scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     do = do.to(q.dtype)
     if T == 0:
         return torch.zeros_like(q), torch.empty_like(k), torch.empty_like(v)
     if cfg.atomic_dq:
-        BLOCK_T = 64
-        delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-        _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
-                                                           BLOCK_D=BLOCK_D, num_warps=4)
+        delta = _delta(o, do)
         dq_acc = torch.zeros(B, T, H, D, device=q.device, dtype=torch.float32)
         dk, dv = swa_backward_dkdv(do, q, k, v, lse, delta, window, scale, cu_seqlens, config=cfg,
                                    dq_acc=dq_acc, visits=visits)
         return dq_acc.to(q.dtype), dk, dv
+    plan = ds_plan(q, k, window, cu_seqlens, cfg)
+    if plan is not None:
+        span, rows_per_launch = plan
+        group = H // HKV
+        delta = _delta(o, do)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        n_slabs = _launch_geometry(q, cu_seqlens, cfg.block_n)[0]
+        kb_start = None if cu_seqlens is None else _block_starts(cu_seqlens, cfg.block_n)
+        n_rows = min(rows_per_launch, B * HKV)
+        ds = _ds_scratch(n_rows * group * n_slabs * cfg.block_n * span, q.device, q.dtype)
+        for row0 in range(0, B * HKV, n_rows):
+            rows = (row0, min(n_rows, B * HKV - row0))
+            _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg, ds=ds, q_span=span,
+                         rows=rows, visits=visits)
+            _launch_dq_from_ds(ds, k, dq, span, n_slabs, kb_start, window, scale, cu_seqlens, cfg,
+                               (rows[0] * group, rows[1] * group))
+        return dq, dk, dv
     # the dq kernel also writes delta, so it runs before the dk/dv kernel
     dq, delta = swa_backward_dq(do, q, k, v, o, lse, window, scale, cu_seqlens, config=cfg)
     dk, dv = swa_backward_dkdv(do, q, k, v, lse, delta, window, scale, cu_seqlens, config=cfg,

@@ -21,8 +21,9 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 # Small tiles keep the interpreter fast and make T = 37 / 100 span several partial blocks. The
-# layouts exercise BLOCK_M > BLOCK_N, BLOCK_M < BLOCK_N and equal tiles, and the three ways of
-# computing dq (separate kernel, atomic adds of dq or of dq^T), plus TMA-descriptor loads.
+# layouts exercise BLOCK_M > BLOCK_N, BLOCK_M < BLOCK_N and equal tiles, and the four ways of
+# computing dq (from the stored ds, by its own recomputing kernel, by atomic adds of dq or of dq^T),
+# plus TMA-descriptor loads and stores.
 SMALL = {
     "m32n16_atomic": (FwdConfig(32, 16, 4, 1), BwdConfig(16, 32, 4, 1, True, 32, 16, 4, 1)),
     "m16n32_split": (FwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1, False, 16, 32, 4, 1)),
@@ -31,6 +32,13 @@ SMALL = {
     # sequence's or zeros, never masked at load time, so the score masks alone must drop them
     "m32n16_tma": (FwdConfig(32, 16, 4, 1, tma=True),
                    BwdConfig(16, 32, 4, 1, False, 32, 16, 4, 1, tma=True, dq_tma=True)),
+    # dq from the stored ds: pointer stores and loads; TMA ones, where the dq kernel's 32-query
+    # tiles start before a 16-key slab (the diagonal block's negative columns load as zeros)
+    "m16n32_ds": (FwdConfig(16, 32, 4, 1),
+                  BwdConfig(32, 32, 4, 1, False, dq_from_ds=True, ds_block_m=16, ds_num_stages=1)),
+    "m32n16_ds_tma": (FwdConfig(32, 16, 4, 1, tma=True),
+                      BwdConfig(16, 16, 4, 1, False, tma=True, dq_tma=True, dq_from_ds=True, ds_block_m=32,
+                                ds_num_stages=1)),
 }
 
 
@@ -80,9 +88,11 @@ def _err(x, ref):
 
 
 PARAMS = [(c, torch.float32, name) for c in CASES for name in SMALL] + \
-         [(c, torch.float16, "m32n16_atomic") for c in CASES]
+         [(c, torch.float16, name) for c in CASES for name in ("m32n16_atomic", "m32n16_ds_tma")]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # ds rows past seq_len: never stored
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("case,dtype,cfg_name", PARAMS,
                          ids=[f"{'x'.join(map(str, c[:5]))}-w{c[5]}-{'cu' if c[6] else 'dense'}-"
                               f"{str(d)[6:]}-{n}" for c, d, n in PARAMS])
@@ -174,6 +184,49 @@ def test_tma_loads_match_pointer_loads(window, cu):
                                              dataclasses.replace(b, tma=True, dq_tma=True)))
     for x, y in zip(tma, plain):
         assert rel_err(x, y) < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NaN rows past seq_len
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("cfg_name", ["m16n32_ds", "m32n16_ds_tma"])
+@pytest.mark.parametrize("T,H,HKV,window,cu", [(45, 4, 2, 9, None), (70, 2, 1, 12, [0, 20, 21, 70]),
+                                               (40, 2, 2, None, None)])
+def test_ds_scratch_never_read_where_unwritten(cfg_name, T, H, HKV, window, cu, monkeypatch):
+    """The ds scratch starts as NaN and the backward runs one (batch, KV head) row per launch: every
+    pair the dq kernel reads must have been written by the dk/dv pass of the same launch."""
+    import gdn2.ops.swa as swa
+    f, b = SMALL[cfg_name]
+    q, k, v, do = _inputs(2 if cu is None else 1, T, H, HKV, 16, torch.float32, seed=T + H)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu else None
+    span, _ = swa.ds_plan(q, k, window, cu_t, b, limit=2 ** 40)
+    n_slabs = -(-T // b.block_n) + (len(cu) - 1 if cu else 0)
+    one_row = (H // HKV) * n_slabs * b.block_n * span * 4
+    monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", str(one_row / 2 ** 20))
+    assert swa.ds_plan(q, k, window, cu_t, b) == (span, 1)
+    real = swa._ds_scratch
+    monkeypatch.setattr(swa, "_ds_scratch", lambda *a: real(*a).fill_(float("nan")))
+    ours = _ours(q, k, v, do, window, cu_t, (f, b))
+    ref = _reference(q, k, v, do, window, cu_t)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert torch.isfinite(x).all(), name
+        assert _err(x, y) < 1e-5, (name, _err(x, y))
+
+
+def test_ds_path_falls_back_where_one_head_exceeds_the_scratch(monkeypatch):
+    import gdn2.ops.swa as swa
+    f, b = SMALL["m16n32_ds"]
+    q, k, v, do = _inputs(1, 50, 2, 1, 16, torch.float32, seed=3)
+    assert swa.ds_plan(q, k, 10, None, b) is not None
+    monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", "0.001")
+    assert swa.ds_plan(q, k, 10, None, b) is None
+    monkeypatch.setattr(swa, "_ds_scratch", lambda *a: pytest.fail("ds scratch allocated past the limit"))
+    ours = _ours(q, k, v, do, 10, None, (f, b))
+    for name, x, y in zip(("o", "dq", "dk", "dv"), ours, _reference(q, k, v, do, 10, None)):
+        assert _err(x, y) < 1e-5, name
+    assert swa.ds_plan(q, k, 10, None, dataclasses.replace(b, dq_from_ds=False), limit=2 ** 40) is None
+    monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", "lots")
+    with pytest.raises(ValueError, match="GDN2_SWA_DS_SCRATCH_MB"):
+        swa.ds_plan(q, k, 10, None, b)
 
 
 def test_varlen_equals_separate_sequences():
