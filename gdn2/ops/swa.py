@@ -130,8 +130,8 @@ def default_configs(head_dim: int, device: torch.device,
         # programs of two warp groups (larger query steps spill; the atomic-dq variant ran 15% slower,
         # so dq has its own kernel). TMA loads (per-kernel sweeps, bench/NOTES.md): forward 128 x 128
         # tiles in 3 stages -7%, dq kernel -4%, dk/dv kernel 2.28 -> 2.07 ms. dq from the stored ds
-        # (128-query programs of one warp group, 3 stages): backward 3.27 -> 3.01 ms at B8 T4096,
-        # 4.18 -> 3.76 ms at B2 T16384 (the dk/dv pass pays ~0.4 ms for the stores).
+        # (128-query programs of one warp group, 3 stages): forward + backward 4.44 -> 4.09 ms at
+        # B8 T4096, 5.42 -> 5.08 ms at B2 T16384 (the dk/dv pass pays ~0.3 ms for the stores).
         return fit_shared_memory(FwdConfig(128, 128, 8, 3, tma=True),
                                  BwdConfig(32, 64, 4, 3, False, 128, 64, 8, 3, tma=True, dq_tma=True,
                                            dq_from_ds=True, ds_block_m=128, ds_num_warps=4, ds_num_stages=3),
