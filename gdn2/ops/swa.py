@@ -990,11 +990,16 @@ def ds_plan(q: torch.Tensor, k: torch.Tensor, window: Optional[int], cu_seqlens:
     has_window, w = _window_args(window, T)
     span = _cdiv(cfg.block_n - 1 + (w if has_window else T), cfg.block_m) * cfg.block_m
     n_slabs = _grid_size(T, cu_seqlens, cfg.block_n)
-    per_row = (H // HKV) * n_slabs * cfg.block_n * span * q.element_size()
+    rows_per_row = (H // HKV) * n_slabs * cfg.block_n  # slab rows (keys) per (batch, KV head) row
+    per_row = rows_per_row * span * q.element_size()
     limit = ds_scratch_limit() if limit is None else limit
     if per_row > limit:
         return None
-    launches = _cdiv(B * HKV, limit // per_row)
+    # the kernels address slab rows with 32-bit integers
+    fit = min(limit // per_row, (2 ** 31 - 1) // rows_per_row)
+    if fit < 1:
+        return None
+    launches = _cdiv(B * HKV, fit)
     return span, _cdiv(B * HKV, launches)  # equal launches rather than a full one and a remainder
 
 
