@@ -256,6 +256,19 @@ def _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN: tl.constexpr
 
 
 @triton.jit
+def _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """(batch, query head, KV head, first token row of the sequence, its length, local start of the query
+    block) of a program of the forward and dq kernels: query blocks x (batch, query head) rows, heaviest
+    blocks first."""
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
+    return b, h, hk, bos, seq_len, m0
+
+
+@triton.jit
 def _tile_offsets(rows, stride, offs_d, WIDE: tl.constexpr):
     # offsets relative to a 64-bit base pointer: 32-bit unless one sequence row spans 2^31 elements
     # (64-bit per-element offsets cost registers the backward does not have)
@@ -282,30 +295,27 @@ def _load_tile(ptrs, rows, seq_len, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
-def _load_pair(a_base, b_base, a_desc, b_desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len,
-               MASKED: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
-    """The two tiles a loop step streams (k and v, or q and do) at sequence rows ``rows`` (= first +
-    arange): through their TMA descriptors, where rows past the sequence hold the next sequence's data
-    (or zeros) and the caller's masks must drop them, or by pointer loads, zeros there."""
-    if TMA:
-        a = a_desc.load([row0 + first, col0])
-        b = b_desc.load([row0 + first, col0])
-    else:
-        off = _tile_offsets(rows, stride, offs_d, WIDE)
-        a = _load_tile(a_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
-        b = _load_tile(b_base + off, rows, seq_len, mask_d, MASKED, EVEN_D)
-    return a, b
-
-
-@triton.jit
 def _load_streamed(base, desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len,
                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
-    """One streamed tile, as ``_load_pair`` loads two."""
+    """One streamed tile at sequence rows ``rows`` (= first + arange)."""
     if TMA:
         x = desc.load([row0 + first, col0])
     else:
         x = _load_tile(base + _tile_offsets(rows, stride, offs_d, WIDE), rows, seq_len, mask_d, MASKED, EVEN_D)
     return x
+
+
+@triton.jit
+def _load_pair(a_base, b_base, a_desc, b_desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr):
+    """The two tiles a loop step streams (k and v, or q and do) at sequence rows ``rows`` (= first +
+    arange): through their TMA descriptors, where rows past the sequence hold the next sequence's data
+    (or zeros) and the caller's masks must drop them, or by pointer loads, zeros there."""
+    a = _load_streamed(a_base, a_desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len, MASKED, EVEN_D,
+                       WIDE, TMA)
+    b = _load_streamed(b_base, b_desc, row0, col0, first, rows, stride, offs_d, mask_d, seq_len, MASKED, EVEN_D,
+                       WIDE, TMA)
+    return a, b
 
 
 @triton.jit
@@ -362,10 +372,7 @@ def _swa_fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, CU, TABLE, VISITS, T, H, HK
                     TMA: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // (H // HKV)
-    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
+    b, h, hk, bos, seq_len, m0 = _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -442,7 +449,7 @@ def _query_bounds(n0, seq_len, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row0, col0, dq_base,
-                     lse_base, delta_base, ds_base, ds_desc, ds_row, q_stride, offs_n, offs_m_tile, offs_d,
+                     lse_base, delta_base, ds_ptr, ds_desc, ds_row, q_stride, offs_n, offs_m_tile, offs_d,
                      mask_d, start, end, n0, seq_len, WINDOW, Q_SPAN, qk_scale, scale,
                      BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
@@ -480,7 +487,7 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row
             if DS_TMA:
                 ds_desc.store([ds_row, m0 - n0], ds_t)
             else:
-                tl.store(ds_base + (offs_n - n0)[:, None] * Q_SPAN + (rows - n0)[None, :], ds_t)
+                tl.store(ds_ptr + (offs_n - n0)[:, None] * Q_SPAN + (rows - n0)[None, :], ds_t)
         if ATOMIC_DQ and DQ_TRANSPOSED:
             # dq^T = k^T ds^T keeps the long key axis as the product's M dimension, which suits
             # small BLOCK_M (Hopper's warp-group products want M >= 64 per warp group)
@@ -551,23 +558,24 @@ def _swa_bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, LSE, DELTA, DK, DV, DQ_AC
         lse_base = LSE + (b * H + h).to(tl.int64) * T + bos - b * T
         delta_base = DELTA + (b * H + h).to(tl.int64) * T + bos - b * T
         # one [BLOCK_N, Q_SPAN] slab per (query head, key block), in launch order
-        slab = (tl.program_id(1) * group + g) * NUM_BLOCKS + pid
-        ds_base = DS + slab.to(tl.int64) * (BLOCK_N * Q_SPAN)
-        ds_row = slab * BLOCK_N  # in the [slabs * BLOCK_N, Q_SPAN] view (int32: the scratch is capped)
+        # first row of this (query head, key block)'s slab in the [slabs * BLOCK_N, Q_SPAN] view of DS
+        # (int32: ds_plan caps the launches)
+        ds_row = ((tl.program_id(1) * group + g) * NUM_BLOCKS + pid) * BLOCK_N
+        ds_ptr = DS + ds_row.to(tl.int64) * Q_SPAN  # the same slab for the pointer stores
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          h * D, dq_base, lse_base, delta_base, ds_ptr, DS_DESC, ds_row,
                                           q_stride, offs_n, offs_m_tile, offs_d, mask_d, n0, diag_end, n0,
                                           seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, True, HAS_WINDOW,
                                           EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
                                           TMA)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          h * D, dq_base, lse_base, delta_base, ds_ptr, DS_DESC, ds_row,
                                           q_stride, offs_n, offs_m_tile, offs_d, mask_d, a, b_int, n0,
                                           seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, False, HAS_WINDOW,
                                           EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
                                           TMA)
         dk, dv, visits = _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, Q_DESC, DO_DESC, bos,
-                                          h * D, dq_base, lse_base, delta_base, ds_base, DS_DESC, ds_row,
+                                          h * D, dq_base, lse_base, delta_base, ds_ptr, DS_DESC, ds_row,
                                           q_stride, offs_n, offs_m_tile, offs_d, mask_d, b_int, q_hi, n0,
                                           seq_len, WINDOW, Q_SPAN, qk_scale, scale, BLOCK_M, True, HAS_WINDOW,
                                           EVEN_D, ATOMIC_DQ, DQ_TRANSPOSED, STORE_DS, DS_TMA, PRECISION, WIDE,
@@ -612,10 +620,7 @@ def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE
                        TMA: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // (H // HKV)
-    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
+    b, h, hk, bos, seq_len, m0 = _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -654,7 +659,7 @@ def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE
 
 
 @triton.jit
-def _dq_ds_key_loop(dq, ds_head, ds_desc, slab0, kb0, k_base, k_desc, row0, col0, kv_stride, offs_m, offs_n,
+def _dq_ds_key_loop(dq, ds_ptr, ds_desc, slab0, kb0, k_base, k_desc, row0, col0, kv_stride, offs_m, offs_n,
                     offs_d, mask_d, m0, start, end, seq_len, WINDOW, Q_SPAN, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr, DS_TMA: tl.constexpr):
@@ -669,13 +674,13 @@ def _dq_ds_key_loop(dq, ds_head, ds_desc, slab0, kb0, k_base, k_desc, row0, col0
             keep = (cols[:, None] <= offs_m[None, :]) & row_ok[None, :]
             if HAS_WINDOW:
                 keep = keep & (offs_m[None, :] - cols[:, None] < WINDOW)
+        ds_row = (slab0 + kb0 + n0 // BLOCK_N) * BLOCK_N  # the key block's slab, as the dk/dv pass wrote it
         if DS_TMA:  # columns outside [0, Q_SPAN) (a diagonal block's first rows) load as zeros
-            ds_t = ds_desc.load([(slab0 + kb0 + n0 // BLOCK_N) * BLOCK_N, m0 - n0])
+            ds_t = ds_desc.load([ds_row, m0 - n0])
             if MASKED:
                 ds_t = tl.where(keep, ds_t, 0.0)
         else:
-            slab = ds_head + (kb0 + n0 // BLOCK_N).to(tl.int64) * (BLOCK_N * Q_SPAN)
-            ptrs = slab + offs_n[:, None] * Q_SPAN + (offs_m - n0)[None, :]
+            ptrs = ds_ptr + ds_row.to(tl.int64) * Q_SPAN + (offs_n[:, None] * Q_SPAN + (offs_m - n0)[None, :])
             if MASKED:
                 ds_t = tl.load(ptrs, mask=keep, other=0.0)
             else:
@@ -696,10 +701,7 @@ def _swa_bwd_dq_ds_kernel(DS, DS_DESC, K, K_DESC, DQ, CU, TABLE, KB_START, T, H,
     pid = tl.program_id(0)
     # a launch covers the (batch, query head) rows ROW0 .. ROW0 + grid[1] - 1
     bh = tl.program_id(1) + ROW0
-    b = bh // H
-    h = bh % H
-    hk = h // (H // HKV)
-    bos, seq_len, m0 = _sequence_of_block(CU, TABLE, pid, b, T, NUM_BLOCKS, IS_VARLEN, BLOCK_M, True)
+    b, h, hk, bos, seq_len, m0 = _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
     if IS_VARLEN:  # the dk/dv launch's program (= slab) of the sequence's first key block
         kb0 = tl.load(KB_START + tl.maximum(tl.load(TABLE + 2 * pid), 0))
     else:
@@ -712,18 +714,17 @@ def _swa_bwd_dq_ds_kernel(DS, DS_DESC, K, K_DESC, DQ, CU, TABLE, KB_START, T, H,
     mask_d = offs_d < D
     kv_stride = HKV * D
     k_base = K + bos.to(tl.int64) * kv_stride + hk * D
-    ds_head = DS + (tl.program_id(1).to(tl.int64) * NUM_SLABS) * (BLOCK_N * Q_SPAN)
     slab0 = tl.program_id(1) * NUM_SLABS
 
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+    dq = _dq_ds_key_loop(dq, DS, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
                          offs_n, offs_d, mask_d, m0, lo, a, seq_len, WINDOW, Q_SPAN, BLOCK_N, True,
                          HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
-    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+    dq = _dq_ds_key_loop(dq, DS, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
                          offs_n, offs_d, mask_d, m0, a, b_int, seq_len, WINDOW, Q_SPAN, BLOCK_N, False,
                          HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
-    dq = _dq_ds_key_loop(dq, ds_head, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
+    dq = _dq_ds_key_loop(dq, DS, DS_DESC, slab0, kb0, k_base, K_DESC, bos, hk * D, kv_stride, offs_m,
                          offs_n, offs_d, mask_d, m0, b_int, hi, seq_len, WINDOW, Q_SPAN, BLOCK_N, True,
                          HAS_WINDOW, EVEN_D, PRECISION, WIDE, TMA, DS_TMA)
     q_stride = H * D
