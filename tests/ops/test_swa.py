@@ -186,6 +186,10 @@ def test_tma_loads_match_pointer_loads(window, cu):
         assert rel_err(x, y) < 1e-6
 
 
+# the ds path runs 16-bit inputs on a GPU (fp32 there takes the recomputing dq kernel), any under the interpreter
+DS_DTYPE, DS_TOL = (torch.float16, 1e-2) if CUDA else (torch.float32, 1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NaN rows past seq_len
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("cfg_name", ["m16n32_ds", "m32n16_ds_tma"])
@@ -196,11 +200,11 @@ def test_ds_scratch_never_read_where_unwritten(cfg_name, T, H, HKV, window, cu, 
     pair the dq kernel reads must have been written by the dk/dv pass of the same launch."""
     import gdn2.ops.swa as swa
     f, b = SMALL[cfg_name]
-    q, k, v, do = _inputs(2 if cu is None else 1, T, H, HKV, 16, torch.float32, seed=T + H)
+    q, k, v, do = _inputs(2 if cu is None else 1, T, H, HKV, 16, DS_DTYPE, seed=T + H)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu else None
     span, _ = swa.ds_plan(q, k, window, cu_t, b, limit=2 ** 40)
     n_slabs = -(-T // b.block_n) + (len(cu) - 1 if cu else 0)
-    one_row = (H // HKV) * n_slabs * b.block_n * span * 4
+    one_row = (H // HKV) * n_slabs * b.block_n * span * q.element_size()
     monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", str(one_row / 2 ** 20))
     assert swa.ds_plan(q, k, window, cu_t, b) == (span, 1)
     real = swa._ds_scratch
@@ -209,20 +213,20 @@ def test_ds_scratch_never_read_where_unwritten(cfg_name, T, H, HKV, window, cu, 
     ref = _reference(q, k, v, do, window, cu_t)
     for name, x, y in zip(("o", "dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(x).all(), name
-        assert _err(x, y) < 1e-5, (name, _err(x, y))
+        assert _err(x, y) < DS_TOL, (name, _err(x, y))
 
 
 def test_ds_path_falls_back_where_one_head_exceeds_the_scratch(monkeypatch):
     import gdn2.ops.swa as swa
     f, b = SMALL["m16n32_ds"]
-    q, k, v, do = _inputs(1, 50, 2, 1, 16, torch.float32, seed=3)
+    q, k, v, do = _inputs(1, 50, 2, 1, 16, DS_DTYPE, seed=3)
     assert swa.ds_plan(q, k, 10, None, b) is not None
     monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", "0.001")
     assert swa.ds_plan(q, k, 10, None, b) is None
     monkeypatch.setattr(swa, "_ds_scratch", lambda *a: pytest.fail("ds scratch allocated past the limit"))
     ours = _ours(q, k, v, do, 10, None, (f, b))
     for name, x, y in zip(("o", "dq", "dk", "dv"), ours, _reference(q, k, v, do, 10, None)):
-        assert _err(x, y) < 1e-5, name
+        assert _err(x, y) < DS_TOL, name
     assert swa.ds_plan(q, k, 10, None, dataclasses.replace(b, dq_from_ds=False), limit=2 ** 40) is None
     monkeypatch.setenv("GDN2_SWA_DS_SCRATCH_MB", "lots")
     with pytest.raises(ValueError, match="GDN2_SWA_DS_SCRATCH_MB"):
