@@ -475,8 +475,11 @@ def _dkdv_query_loop(dk, dv, visits, k, v, q_base, do_base, q_desc, do_desc, row
             if HAS_WINDOW:
                 keep = keep & (rows[None, :] - offs_n[:, None] < WINDOW)
             p_t = tl.where(keep, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        # dp first: Triton waits for a product whose result is used at once (and for every product
+        # issued before it), while an accumulating one (dv, dk) stays in flight until the next such
+        # wait, so dv issued after dp runs under the ds arithmetic and the store
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
         if STORE_DS:
