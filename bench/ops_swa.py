@@ -127,6 +127,11 @@ def dkdv_config(base: BwdConfig, c) -> BwdConfig:
     return replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st, tma=tma)
 
 
+def recompute_dq_config(base: BwdConfig, c) -> BwdConfig:
+    """The dq kernel's tiles ``c`` on the path that uses it (dq recomputed, not read from ds)."""
+    return replace(dq_config(base, c), dq_from_ds=False)
+
+
 def ds_config(base: BwdConfig, c) -> BwdConfig:
     bm, w, st = c
     return replace(base, dq_from_ds=True, ds_block_m=bm, ds_num_warps=w, ds_num_stages=st)
@@ -350,8 +355,7 @@ def main():
     ds_cands = [cur_ds] + [c for c in DS_SWEEP if c != cur_ds] if "ds" in swept else []
     # (fwd, bwd) pairs to compile and check: one kernel swept, the others at the default
     sweep_pairs = [(c, default_bwd) for c in fwd_cands[1:]]
-    # the recomputing dq kernel's tiles are checked on that path
-    sweep_pairs += [(default_fwd, replace(dq_config(default_bwd, c), dq_from_ds=False)) for c in dq_cands[1:]]
+    sweep_pairs += [(default_fwd, recompute_dq_config(default_bwd, c)) for c in dq_cands[1:]]
     sweep_pairs += [(default_fwd, dkdv_config(default_bwd, c)) for c in dkdv_cands[1:]]
     sweep_pairs += [(default_fwd, ds_config(default_bwd, c)) for c in ds_cands[1:]]
 
@@ -362,8 +366,7 @@ def main():
     jobs = [(None, None, [c]) for c in ACCURACY_CASES] + [(None, None, [bench_job])]
     if (tma_fwd, tma_bwd) != (default_fwd, default_bwd):
         jobs += [(tma_fwd, tma_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
-    if alt_bwd is not None:
-        jobs += [(default_fwd, alt_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
+    jobs += [(default_fwd, alt_bwd, [c]) for c in ACCURACY_CASES + [bench_job]]
     jobs += [(f, b, [bench_job]) for f, b in sweep_pairs]
     failed = {}
     pool = None
@@ -384,13 +387,11 @@ def main():
     # Build every baseline and call each once (flex_attention compiles here, while the pool
     # compiles our kernels); nothing is timed until the pool is done, so timings do not overlap.
     baselines = []  # (tag, backend, mode, fn, flops)
-    keep_alive = []
     for shp in ([] if args.no_baselines else SHAPES):
         B, T, H, D, W = shp["B"], shp["T"], shp["H"], shp["D"], shp["W"]
         tag = f"B{B}_T{T}"
         qh, kh, vh, doh = (torch.randn(B, H, T, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
         leaves = [t.requires_grad_() for t in (qh, kh, vh)]
-        keep_alive.append((qh, kh, vh, doh))
 
         def sdpa_fwd(qh=qh, kh=kh, vh=vh):
             with torch.no_grad():
@@ -430,7 +431,6 @@ def main():
                 qv, kv, vv, dov = (torch.randn(B * T, H, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
                 lv = [t.requires_grad_() for t in (qv, kv, vv)]
                 cu = torch.arange(0, (B + 1) * T, T, device=DEVICE, dtype=torch.int32)
-                keep_alive.append((qv, kv, vv, dov, cu))
 
                 def va_fwd(qv=qv, kv=kv, vv=vv, cu=cu, T=T, W=W):
                     with torch.no_grad():
@@ -495,7 +495,7 @@ def main():
         return key not in failed and key not in bad_pairs
     fwd_cands = [c for i, c in enumerate(fwd_cands) if i == 0 or usable(c, default_bwd)]
     dq_cands = [c for i, c in enumerate(dq_cands)
-                if i == 0 or usable(default_fwd, replace(dq_config(default_bwd, c), dq_from_ds=False))]
+                if i == 0 or usable(default_fwd, recompute_dq_config(default_bwd, c))]
     dkdv_cands = [c for i, c in enumerate(dkdv_cands)
                   if i == 0 or usable(default_fwd, dkdv_config(default_bwd, c))]
     ds_cands = [c for i, c in enumerate(ds_cands) if i == 0 or usable(default_fwd, ds_config(default_bwd, c))]
@@ -530,7 +530,6 @@ def main():
         tag = f"B{B}_T{T}"
         q, k, v, do = make_inputs(B, T, H, H, D, seed=7)
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        keep_alive.append((q, k, v, do))
         for name, fc, bc in variants:
             def fwd(q=q, k=k, v=v, W=W, fc=fc, bc=bc):
                 with torch.no_grad():
@@ -554,7 +553,7 @@ def main():
     for row, fn in reversed(timed):
         row["ms_rounds"] = [row["ms"], bench(fn)]
         row["ms"] = min(row["ms_rounds"])
-    del timed, keep_alive
+    del timed  # its closures hold the inputs
     empty_cache()
 
     # ---- table

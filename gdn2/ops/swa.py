@@ -269,6 +269,20 @@ def _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN: t
 
 
 @triton.jit
+def _query_tile(K, bos, hk, m0, HKV, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Row / key / channel offsets, the channel mask, the k row stride and this program's k base of the
+    forward and dq kernels."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    kv_stride = HKV * D
+    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
+    return offs_m, offs_n, offs_d, mask_d, kv_stride, k_base
+
+
+@triton.jit
 def _tile_offsets(rows, stride, offs_d, WIDE: tl.constexpr):
     # offsets relative to a 64-bit base pointer: 32-bit unless one sequence row spans 2^31 elements
     # (64-bit per-element offsets cost registers the backward does not have)
@@ -375,15 +389,11 @@ def _swa_fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, CU, TABLE, VISITS, T, H, HK
     b, h, hk, bos, seq_len, m0 = _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    offs_m, offs_n, offs_d, mask_d, kv_stride, k_base = _query_tile(K, bos, hk, m0, HKV, D, BLOCK_M, BLOCK_N,
+                                                                    BLOCK_D)
     q_stride = H * D
-    kv_stride = HKV * D
     q_ptrs = Q + (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
     q = _load_tile(q_ptrs, offs_m, seq_len, mask_d, True, EVEN_D)
-    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
     v_base = V + bos.to(tl.int64) * kv_stride + hk * D
 
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
@@ -626,12 +636,9 @@ def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE
     b, h, hk, bos, seq_len, m0 = _query_block_program(CU, TABLE, pid, bh, T, H, HKV, NUM_BLOCKS, IS_VARLEN, BLOCK_M)
     EVEN_D: tl.constexpr = BLOCK_D == D
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    offs_m, offs_n, offs_d, mask_d, kv_stride, k_base = _query_tile(K, bos, hk, m0, HKV, D, BLOCK_M, BLOCK_N,
+                                                                    BLOCK_D)
     q_stride = H * D
-    kv_stride = HKV * D
     row_ok = offs_m < seq_len
     q_off = (bos + offs_m).to(tl.int64)[:, None] * q_stride + h * D + offs_d[None, :]
     q = _load_tile(Q + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
@@ -643,7 +650,6 @@ def _swa_bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, O, DO, LSE, DELTA, DQ, CU, TABLE
     o = _load_tile(O + q_off, offs_m, seq_len, mask_d, True, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + stat_base + offs_m, delta, mask=row_ok)
-    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
     v_base = V + bos.to(tl.int64) * kv_stride + hk * D
 
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
@@ -711,12 +717,8 @@ def _swa_bwd_dq_ds_kernel(DS, DS_DESC, K, K_DESC, DQ, CU, TABLE, KB_START, T, H,
         kb0 = 0 * pid
     EVEN_D: tl.constexpr = BLOCK_D == D
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    kv_stride = HKV * D
-    k_base = K + bos.to(tl.int64) * kv_stride + hk * D
+    offs_m, offs_n, offs_d, mask_d, kv_stride, k_base = _query_tile(K, bos, hk, m0, HKV, D, BLOCK_M, BLOCK_N,
+                                                                    BLOCK_D)
     slab0 = tl.program_id(1) * NUM_SLABS
 
     lo, a, b_int, hi = _key_bounds(m0, seq_len, WINDOW, BLOCK_M, BLOCK_N, HAS_WINDOW)
@@ -769,22 +771,29 @@ def _check(q, k, v, window, cu_seqlens, scale=None) -> None:
             raise ValueError(f"cu_seqlens requires batch size 1, got B={q.shape[0]}")
 
 
+def _sequence_blocks(cu_seqlens: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [N] each: the ``block``-row blocks of each packed sequence, and the index of its first
+    block in a varlen launch's table (``_block_table``)."""
+    cu = cu_seqlens.long()
+    n_blocks = (cu[1:] - cu[:-1] + block - 1) // block
+    return n_blocks, torch.cumsum(n_blocks, 0) - n_blocks
+
+
 def _block_table(cu_seqlens: torch.Tensor, block: int, T: int) -> torch.Tensor:
     """[G, 2] int32 rows (sequence, block in sequence) for each program of a varlen launch.
 
     Built on the device without a host sync: G = cdiv(T, block) + N bounds the true block count,
     and spare rows carry sequence -1.
     """
-    cu = cu_seqlens.long()
-    n_seq = cu.numel() - 1
-    n_blocks = (cu[1:] - cu[:-1] + block - 1) // block
-    ends = torch.cumsum(n_blocks, 0)
+    n_seq = cu_seqlens.numel() - 1
+    n_blocks, starts = _sequence_blocks(cu_seqlens, block)
+    ends = starts + n_blocks
     grid = _grid_size(T, cu_seqlens, block)
-    g = torch.arange(grid, device=cu.device)
+    g = torch.arange(grid, device=cu_seqlens.device)
     seq = torch.searchsorted(ends, g, right=True)
     valid = seq < n_seq
     seq_c = seq.clamp(max=n_seq - 1)
-    blk = g - (ends - n_blocks)[seq_c]
+    blk = g - starts[seq_c]
     table = torch.stack([torch.where(valid, seq_c, -1), blk], dim=1)
     return table.to(torch.int32).contiguous()
 
@@ -838,12 +847,17 @@ def _tma_usable(want: bool, D: int, block_d: int, *tensors: torch.Tensor) -> boo
     return all(t.data_ptr() % 16 == 0 and (t.shape[2] * D * t.element_size()) % 16 == 0 for t in tensors)
 
 
+def _block_d(D: int) -> int:
+    """Channel tile of head dim ``D``: the next power of two, at least 16 (the products' minimum)."""
+    return max(16, triton.next_power_of_2(D))
+
+
 def _defaults(q: torch.Tensor, scale: Optional[float], config, backward: bool):
     """(scale, launch config, BLOCK_D) of one call: 1/sqrt(D) when ``scale`` is None, the default tiles
     of q's head dim, device and dtype (the backward's when ``backward``) when ``config`` is None."""
     D = q.shape[-1]
     cfg = config or default_configs(D, q.device, q.dtype)[1 if backward else 0]
-    return (D ** -0.5 if scale is None else scale), cfg, max(16, triton.next_power_of_2(D))
+    return (D ** -0.5 if scale is None else scale), cfg, _block_d(D)
 
 
 def swa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
@@ -921,15 +935,16 @@ def swa_backward_dkdv(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg: BwdConfig, *,
-                 dq_acc=None, ds=None, q_span=0, rows=None, visits=None) -> None:
+                 dq_acc=None, ds=None, q_span=0, rows=None, visits=None, geometry=None) -> None:
     """One dk/dv launch over the (batch, KV head) rows ``rows`` (start, count; default all), writing
-    their dk and dv; with ``ds`` also their ds slabs (``q_span`` queries per key block)."""
+    their dk and dv; with ``ds`` also their ds slabs (``q_span`` queries per key block). ``geometry``:
+    ``_launch_geometry`` over ``cfg.block_n`` keys, when the caller launches several times."""
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = _block_d(D)
     row0, n_rows = rows if rows is not None else (0, B * HKV)
     has_window, w = _window_args(window, T)
-    grid0, n_blocks, table, cu = _launch_geometry(q, cu_seqlens, cfg.block_n)
+    grid0, n_blocks, table, cu = geometry or _launch_geometry(q, cu_seqlens, cfg.block_n)
     if visits is not None and visits.numel() < grid0 * B * HKV:
         raise ValueError(f"visits must hold at least {grid0 * B * HKV} int32 counters")
     tma = _tma_usable(cfg.tma, D, BLOCK_D, q, do)
@@ -947,14 +962,15 @@ def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg
 
 
 def _launch_dq_from_ds(ds, k, dq, q_span, n_slabs, kb_start, window, scale, cu_seqlens, cfg: BwdConfig,
-                       rows) -> None:
+                       rows, geometry) -> None:
     """dq of the (batch, query head) rows ``rows`` (start, count) from their ds slabs (``n_slabs`` per
-    row; ``kb_start``: each packed sequence's first slab)."""
+    row; ``kb_start``: each packed sequence's first slab; ``geometry``: ``_launch_geometry`` over
+    ``cfg.ds_block_m`` queries)."""
     B, T, H, D = dq.shape
     HKV = k.shape[2]
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = _block_d(D)
     has_window, w = _window_args(window, T)
-    grid0, n_blocks, table, cu = _launch_geometry(dq, cu_seqlens, cfg.ds_block_m)
+    grid0, n_blocks, table, cu = geometry
     tma = _tma_usable(cfg.dq_tma, D, BLOCK_D, k)
     _swa_bwd_dq_ds_kernel[(grid0, rows[1])](
         ds, _slab_descriptor(ds, q_span, [cfg.block_n, cfg.ds_block_m]) if tma else ds,
@@ -1007,13 +1023,6 @@ def ds_plan(q: torch.Tensor, k: torch.Tensor, window: Optional[int], cu_seqlens:
     return span, _cdiv(B * HKV, launches)  # equal launches rather than a full one and a remainder
 
 
-def _block_starts(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
-    """int32 [N]: index of each sequence's first block in a varlen launch's table (``_block_table``)."""
-    cu = cu_seqlens.long()
-    n_blocks = (cu[1:] - cu[:-1] + block - 1) // block
-    return (torch.cumsum(n_blocks, 0) - n_blocks).to(torch.int32)
-
-
 def _ds_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # uninitialised: the dk/dv pass writes every pair the dq kernel reads (tests fill it with NaN)
     return torch.empty(numel, device=device, dtype=dtype)
@@ -1025,7 +1034,7 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     BLOCK_T = 64
     delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
     _bwd_delta_kernel[(triton.cdiv(T, BLOCK_T), B * H)](o, do, delta, T, H, D=D, BLOCK_T=BLOCK_T,
-                                                       BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+                                                       BLOCK_D=_block_d(D), num_warps=4)
     return delta
 
 
@@ -1041,7 +1050,7 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """
     B, T, H, D = q.shape
     HKV = k.shape[2]
-    scale, cfg, BLOCK_D = _defaults(q, scale, config, backward=True)
+    scale, cfg, _ = _defaults(q, scale, config, backward=True)
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     do = do.to(q.dtype)
     if T == 0:
@@ -1059,15 +1068,18 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         delta = _delta(o, do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         n_slabs = _grid_size(T, cu_seqlens, cfg.block_n)
-        kb_start = None if cu_seqlens is None else _block_starts(cu_seqlens, cfg.block_n)
+        kb_start = None if cu_seqlens is None else _sequence_blocks(cu_seqlens, cfg.block_n)[1].to(torch.int32)
         n_rows = min(rows_per_launch, B * HKV)
         ds = _ds_scratch(n_rows * group * n_slabs * cfg.block_n * span, q.device, q.dtype)
+        # the launch geometries (block tables with cu_seqlens) are the same for every group of rows
+        key_blocks = _launch_geometry(q, cu_seqlens, cfg.block_n)
+        query_blocks = _launch_geometry(q, cu_seqlens, cfg.ds_block_m)
         for row0 in range(0, B * HKV, n_rows):
             rows = (row0, min(n_rows, B * HKV - row0))
             _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg, ds=ds, q_span=span,
-                         rows=rows, visits=visits)
+                         rows=rows, visits=visits, geometry=key_blocks)
             _launch_dq_from_ds(ds, k, dq, span, n_slabs, kb_start, window, scale, cu_seqlens, cfg,
-                               (rows[0] * group, rows[1] * group))
+                               (rows[0] * group, rows[1] * group), query_blocks)
         return dq, dk, dv
     # the dq kernel also writes delta, so it runs before the dk/dv kernel
     dq, delta = swa_backward_dq(do, q, k, v, o, lse, window, scale, cu_seqlens, config=cfg)
