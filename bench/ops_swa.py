@@ -12,7 +12,8 @@ One run does, in order:
    rounds, the second in reverse order) at
    B 8 x T 4096 and B 2 x T 16384, 18 heads x 128, window 2048, bf16, for: ours (default tiles, the
    sweep's best, and the default with the other way to dq: recomputing kernel or stored ds), SDPA
-   full causal, compiled flex_attention with a sliding-window block mask, and
+   full causal (the backend SDPA picks, cuDNN on Hopper, with its kernel names recorded, and SDPA
+   held to its FlashAttention-2 backend), compiled flex_attention with a sliding-window block mask, and
    ``torch.nn.attention.varlen.varlen_attn`` with window (W-1, 0) where it exists.
 
 Prints a table (time, ratio to SDPA full causal, TFLOP/s of each backend's own mask) and writes
@@ -237,6 +238,16 @@ def _bench(fn, rep):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def on_flash2(fn):
+    """``fn`` with SDPA held to its FlashAttention-2 backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            fn()
+    return run
+
+
 def kernel_split(fn, iters=5) -> dict:
     """ms per call of each GPU kernel that ``fn`` launches (torch.profiler, after one warm call)."""
     if DEVICE != "cuda":
@@ -402,6 +413,15 @@ def main():
             torch.autograd.grad(o, leaves, doh)
         baselines += [(tag, "sdpa_full_causal", "fwd", sdpa_fwd, attention_flops(B, T, H, D, None, False)),
                       (tag, "sdpa_full_causal", "fwd+bwd", sdpa_fb, attention_flops(B, T, H, D, None, True))]
+        # which kernels SDPA picked (cuDNN or flash), and SDPA held to its FlashAttention-2 backend
+        split = kernel_split(sdpa_fb)
+        res["split"][f"{tag} sdpa_full_causal"] = split
+        if split:
+            print(f"{tag} sdpa_full_causal fwd+bwd kernels: " + ", ".join(split), flush=True)
+        if DEVICE == "cuda":
+            for mode, fn in (("fwd", sdpa_fwd), ("fwd+bwd", sdpa_fb)):
+                baselines.append((tag, "sdpa_flash2_full_causal", mode, on_flash2(fn),
+                                  attention_flops(B, T, H, D, None, mode != "fwd")))
         if args.sdpa_only:
             continue
         try:
@@ -558,7 +578,7 @@ def main():
 
     # ---- table
     print()
-    print(f"{'shape':<12} {'backend':<22} {'mode':<8} {'ms':>8} {'x SDPA':>7} {'TFLOP/s':>8}")
+    print(f"{'shape':<12} {'backend':<24} {'mode':<8} {'ms':>8} {'x SDPA':>7} {'TFLOP/s':>8}")
     for shp in SHAPES:
         tag = f"B{shp['B']}_T{shp['T']}"
         ref = {r["mode"]: r["ms"] for r in res["rows"] if r["shape"] == tag and r["backend"] == "sdpa_full_causal"}
@@ -568,7 +588,7 @@ def main():
             r["ratio_to_sdpa"] = r["ms"] / ref[r["mode"]] if r["mode"] in ref else None
             r["tflops"] = r["flops"] / r["ms"] / 1e9
             ratio = f"{r['ratio_to_sdpa']:.3f}" if r["ratio_to_sdpa"] else "-"
-            print(f"{tag:<12} {r['backend']:<22} {r['mode']:<8} {r['ms']:8.3f} {ratio:>7} {r['tflops']:8.1f}")
+            print(f"{tag:<12} {r['backend']:<24} {r['mode']:<8} {r['ms']:8.3f} {ratio:>7} {r['tflops']:8.1f}")
     print("TFLOP/s counts each backend's own mask: full causal for SDPA, the 2048 window otherwise; "
           "fwd+bwd = 3.5x forward flops.")
     print(f"accuracy (bf16 vs fp32 oracle): worst rel err {res['accuracy_worst_rel_err']:.2e} "
