@@ -811,7 +811,7 @@ def _grid_size(T: int, cu_seqlens: Optional[torch.Tensor], block: int) -> int:
 def _launch_geometry(q, cu_seqlens, block):
     T = q.shape[1]
     if cu_seqlens is None:
-        n_blocks = triton.cdiv(T, block)
+        n_blocks = _grid_size(T, None, block)
         return n_blocks, n_blocks, None, q.new_empty(1, dtype=torch.int32)
     table = _block_table(cu_seqlens, block, T)
     return table.shape[0], table.shape[0], table, cu_seqlens
@@ -1067,13 +1067,14 @@ def swa_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         group = H // HKV
         delta = _delta(o, do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        n_slabs = _grid_size(T, cu_seqlens, cfg.block_n)
+        # the launch geometries (block tables with cu_seqlens) are the same for every group of rows;
+        # each dk/dv program (key block) of a row owns one slab
+        key_blocks = _launch_geometry(q, cu_seqlens, cfg.block_n)
+        query_blocks = _launch_geometry(q, cu_seqlens, cfg.ds_block_m)
+        n_slabs = key_blocks[0]
         kb_start = None if cu_seqlens is None else _sequence_blocks(cu_seqlens, cfg.block_n)[1].to(torch.int32)
         n_rows = min(rows_per_launch, B * HKV)
         ds = _ds_scratch(n_rows * group * n_slabs * cfg.block_n * span, q.device, q.dtype)
-        # the launch geometries (block tables with cu_seqlens) are the same for every group of rows
-        key_blocks = _launch_geometry(q, cu_seqlens, cfg.block_n)
-        query_blocks = _launch_geometry(q, cu_seqlens, cfg.ds_block_m)
         for row0 in range(0, B * HKV, n_rows):
             rows = (row0, min(n_rows, B * HKV - row0))
             _launch_dkdv(do, q, k, v, lse, delta, dk, dv, window, scale, cu_seqlens, cfg, ds=ds, q_span=span,
