@@ -2,7 +2,7 @@
 
     python data_prep/prepare.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
         --tokenizer tokenizer.model --output data/fineweb-edu-10BT [--workers N] \\
-        [--val-fraction 0.0005] [--shard-tokens 134217728]
+        [--val-input 'heldout/*.jsonl.zst' | --val-fraction 0.0005] [--shard-tokens 134217728]
 
 Inputs: parquet files (column ``text``, read one record batch at a time) and JSON-lines files
 (``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` or ``.gz``; key ``text``).
@@ -14,9 +14,16 @@ A document goes to validation when the first 8 bytes of blake2b(its UTF-8 text),
 little-endian integer, fall below ``val_fraction * 2**64``: the split depends on the text alone,
 so duplicates land on the same side and reruns agree.
 
-Determinism and resumption. The inputs are cut into *work units* (a parquet row group, a 64 MiB
-byte range of a plain JSON-lines file, a whole compressed file) in a fixed order. Workers tokenise
-units in parallel into temporary files; the main process appends them to the shards strictly in
+Validation. ``--val-input`` names held-out files: every document of theirs goes to ``val_*.bin`` and
+none to training (the manifest records each input's split). With ``--val-input`` the hash split of
+``--input`` is off unless ``--val-fraction`` is given too.
+
+Determinism and resumption. The inputs are cut into *work units* in a fixed order: at most 4096
+rows of a parquet row group, or about 4 MiB of JSON-lines / text (a byte range of a plain file;
+a range of whole lines of the decompressed stream of a ``.zst`` / ``.gz`` file, found by one
+scan when the job is planned, and read by the main process, which hands the bytes to a worker).
+So every worker has work and the progress bar moves every few seconds whatever the mix of file
+sizes. Workers tokenise units in parallel into temporary files; the main process appends them to the shards strictly in
 unit order and, after each unit, syncs the files and atomically rewrites a journal
 (``.prepare_journal.json``: units done, shards finished, tokens in the open shard, counters).
 Rerunning the same command after a crash, a kill or ``--time-limit`` truncates the open shard to the
@@ -39,7 +46,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +63,11 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt",)
 COMPRESSION_SUFFIXES = (".zst", ".zstd", ".gz")
 
-# Size of one work unit of an uncompressed JSON-lines file; parquet units are row groups.
-JSONL_UNIT_BYTES = 64 << 20
+# Size of one work unit of a JSON-lines or text file (bytes of the file, or of its decompressed
+# stream); a parquet unit is at most PARQUET_UNIT_ROWS rows of one row group, read in batches.
+JSONL_UNIT_BYTES = 4 << 20
 PARQUET_BATCH_ROWS = 1024
+PARQUET_UNIT_ROWS = 4 * PARQUET_BATCH_ROWS
 # Documents handed to SentencePiece per call.
 ENCODE_BATCH_DOCS = 256
 
@@ -95,17 +104,19 @@ def input_kind(path: str | os.PathLike) -> tuple[str, str | None]:
     )
 
 
-def expand_inputs(patterns: Sequence[str], kinds: Sequence[str] = ("parquet", "jsonl")) -> list[Path]:
+def expand_inputs(patterns: Sequence[str], kinds: Sequence[str] = ("parquet", "jsonl"),
+                  flag: str = "--input") -> list[Path]:
     """Files matching the glob ``patterns``: each pattern's matches sorted, patterns in the given
-    order, duplicates dropped. A pattern matching nothing, or a file of another kind, is an error."""
+    order, duplicates dropped. A pattern matching nothing, or a file of another kind, is an error
+    (naming ``flag``)."""
     if not patterns:
-        raise ValueError("--input: at least one file or glob pattern is required")
+        raise ValueError(f"{flag}: at least one file or glob pattern is required")
     seen: dict[Path, None] = {}
     for pattern in patterns:
         matches = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(pattern), recursive=True))
         matches = [p for p in matches if p.is_file()]
         if not matches:
-            raise FileNotFoundError(f"--input: no files match {pattern!r}")
+            raise FileNotFoundError(f"{flag}: no files match {pattern!r}")
         for path in matches:
             kind, _ = input_kind(path)
             if kind not in kinds:
@@ -116,9 +127,14 @@ def expand_inputs(patterns: Sequence[str], kinds: Sequence[str] = ("parquet", "j
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """A piece of one input file that one worker tokenises: a parquet row group (``row_group``,
-    its ``first_row`` and ``rows``), a byte range ``[start, end)`` of an uncompressed file, or a
-    whole compressed file (``end == -1``)."""
+    """A piece of one input file that one worker tokenises.
+
+    Parquet: ``rows`` rows of row group ``row_group`` starting ``offset`` rows into it (``first_row``
+    counts from the start of the file). Uncompressed JSON-lines / text: the lines whose first byte
+    lies in ``[start, end)``. Compressed: the whole lines in ``[start, end)`` of the decompressed
+    stream (``first_row`` is the line number of the first), or the whole file when ``end == -1``.
+    ``split`` is ``"val"`` for a ``--val-input`` file, None when the hash decides.
+    """
 
     path: str
     kind: str
@@ -126,8 +142,10 @@ class WorkUnit:
     row_group: int = -1
     first_row: int = 0
     rows: int = 0
+    offset: int = 0
     start: int = 0
     end: int = -1
+    split: str | None = None
 
 
 def _parquet_text_field(path: Path, text_key: str):
@@ -148,21 +166,57 @@ def _parquet_text_field(path: Path, text_key: str):
     return parquet
 
 
-def plan_units(path: Path, text_key: str = "text") -> list[WorkUnit]:
-    """The work units of one input file, in stream order (checks a parquet file's schema)."""
+def _line_cuts(path: Path, compression: str, unit_bytes: int) -> tuple[list[tuple[int, int]], int]:
+    """One pass over a compressed file's stream: ``[(offset, line number)]`` of the line starts that
+    begin its units (the first line starting at or after each ``unit_bytes`` mark), and its size."""
+    cuts = [(0, 1)]
+    position = lines = 0
+    target = unit_bytes  # the next unit begins with the first line starting at or after this offset
+    with _open_stream(str(path), compression) as f:
+        while block := f.read(1 << 22):
+            end = position + len(block)
+            while target <= end:
+                newline = block.find(b"\n", max(target - 1 - position, 0))
+                if newline < 0:
+                    break
+                cut = position + newline + 1
+                cuts.append((cut, lines + block.count(b"\n", 0, newline + 1) + 1))
+                target = cut + unit_bytes
+            lines += block.count(b"\n")
+            position = end
+    if cuts[-1][0] >= position and len(cuts) > 1:
+        cuts.pop()  # the file ends with a newline exactly at a cut
+    return cuts, position
+
+
+def plan_units(path: Path, text_key: str = "text", split: str | None = None,
+               split_compressed: bool = True) -> list[WorkUnit]:
+    """The work units of one input file, in stream order (checks a parquet file's schema).
+
+    ``split_compressed=False`` keeps a compressed file as one unit (no planning scan), for readers
+    that visit units one at a time anyway.
+    """
     kind, compression = input_kind(path)
     if kind == "parquet":
         metadata = _parquet_text_field(path, text_key).metadata
         units, first = [], 0
         for rg in range(metadata.num_row_groups):
             rows = metadata.row_group(rg).num_rows
-            units.append(WorkUnit(str(path), kind, row_group=rg, first_row=first, rows=rows))
+            for offset in range(0, rows, PARQUET_UNIT_ROWS):
+                take = min(PARQUET_UNIT_ROWS, rows - offset)
+                units.append(WorkUnit(str(path), kind, row_group=rg, first_row=first + offset, rows=take,
+                                      offset=offset, split=split))
             first += rows
         return units
     if compression is not None:
-        return [WorkUnit(str(path), kind, compression)]
+        if not split_compressed:
+            return [WorkUnit(str(path), kind, compression, split=split)]
+        cuts, size = _line_cuts(path, compression, JSONL_UNIT_BYTES)
+        ends = [offset for offset, _ in cuts[1:]] + [size]
+        return [WorkUnit(str(path), kind, compression, first_row=line, start=offset, end=end, split=split)
+                for (offset, line), end in zip(cuts, ends)]
     size = path.stat().st_size
-    return [WorkUnit(str(path), kind, start=s, end=min(s + JSONL_UNIT_BYTES, size))
+    return [WorkUnit(str(path), kind, start=s, end=min(s + JSONL_UNIT_BYTES, size), split=split)
             for s in range(0, max(size, 1), JSONL_UNIT_BYTES)]
 
 
@@ -181,8 +235,19 @@ def _open_stream(path: str, compression: str | None):
     return raw
 
 
-def _lines(unit: WorkUnit) -> Iterator[tuple[str, bytes]]:
-    """(location, raw line) of the lines of a unit; a line belongs to the unit its first byte is in."""
+def _lines(unit: WorkUnit, data: bytes | None = None) -> Iterator[tuple[str, bytes]]:
+    """(location, raw line) of the lines of a unit; a line belongs to the unit its first byte is in.
+
+    ``data``: the unit's bytes, already read (a compressed unit's range of the decompressed stream).
+    """
+    if unit.compression is not None and unit.end != -1:
+        if data is None:  # read on our own: decompress up to the unit (the main process avoids this)
+            with _open_stream(unit.path, unit.compression) as f:
+                _skip(f, unit.start)
+                data = f.read(unit.end - unit.start)
+        for number, line in enumerate(io.BytesIO(data), start=unit.first_row):
+            yield f"line {number}", line
+        return
     with _open_stream(unit.path, unit.compression) as f:
         if unit.end == -1:
             for number, line in enumerate(f, start=1):
@@ -198,6 +263,38 @@ def _lines(unit: WorkUnit) -> Iterator[tuple[str, bytes]]:
                 break
             yield f"byte {position}", line
             position += len(line)
+
+
+def _skip(stream, count: int) -> None:
+    while count > 0:
+        block = stream.read(min(count, 1 << 22))
+        if not block:
+            break
+        count -= len(block)
+
+
+class _StreamCursor:
+    """Reads the ranges of compressed units in order, each file's stream opened once."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._stream = None
+        self._position = 0
+
+    def read(self, unit: WorkUnit) -> bytes:
+        if self._path != unit.path or self._position > unit.start:
+            self.close()
+            self._stream = _open_stream(unit.path, unit.compression)
+            self._path, self._position = unit.path, 0
+        _skip(self._stream, unit.start - self._position)
+        data = self._stream.read(unit.end - unit.start)
+        self._position = unit.start + len(data)
+        return data
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self._path, self._stream = None, None
 
 
 def _check_text(value) -> str:
@@ -221,11 +318,13 @@ def _decode(raw: bytes | None):
         return Skipped("undecodable")
 
 
-def read_documents(unit: WorkUnit, text_key: str = "text") -> Iterator[tuple[str, str | Skipped]]:
+def read_documents(unit: WorkUnit, text_key: str = "text",
+                   data: bytes | None = None) -> Iterator[tuple[str, str | Skipped]]:
     """(location, text or ``Skipped(reason)``) for every document of a unit, in order.
 
     Parquet is read one record batch of ``PARQUET_BATCH_ROWS`` rows at a time; text files yield one
-    document per non-blank line; JSON-lines blank lines are not documents.
+    document per non-blank line; JSON-lines blank lines are not documents. ``data``: the bytes of a
+    compressed unit, when the caller has read them.
     """
     if unit.kind == "parquet":
         import pyarrow as pa
@@ -233,8 +332,16 @@ def read_documents(unit: WorkUnit, text_key: str = "text") -> Iterator[tuple[str
 
         parquet = pq.ParquetFile(unit.path)
         row = unit.first_row
+        skip, left = unit.offset, unit.rows
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[unit.row_group],
                                           columns=[text_key], use_threads=False):
+            if skip >= batch.num_rows:  # rows of the row group before this unit: not converted
+                skip -= batch.num_rows
+                continue
+            if left <= 0:
+                break
+            batch = batch.slice(skip, left)
+            skip, left = 0, left - batch.num_rows
             column = batch.column(0)
             values = None
             if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
@@ -248,7 +355,7 @@ def read_documents(unit: WorkUnit, text_key: str = "text") -> Iterator[tuple[str
                 yield f"row {row}", value
                 row += 1
         return
-    for location, line in _lines(unit):
+    for location, line in _lines(unit, data):
         if not line.strip():
             continue
         if unit.kind == "text":
@@ -310,9 +417,10 @@ def _add_stats(total: dict, part: dict) -> None:
 
 
 def encode_unit(unit: WorkUnit, tmp_prefix: str, text_key: str, val_fraction: float, dtype: str,
-                eos_id: int) -> dict:
+                eos_id: int, data: bytes | None = None) -> dict:
     """Tokenise one unit into ``{tmp_prefix}.train`` / ``.val`` (raw tokens of ``dtype``, each
-    document + EOS, in document order); returns the unit's counters."""
+    document + EOS, in document order); returns the unit's counters and the worker's ``pid``.
+    ``data``: the bytes of a compressed unit, read by the caller."""
     tokenizer = _worker_tokenizer
     stats = _empty_stats()
     outputs = {split: open(f"{tmp_prefix}.{split}", "wb") for split in SPLITS}
@@ -333,14 +441,14 @@ def encode_unit(unit: WorkUnit, tmp_prefix: str, text_key: str, val_fraction: fl
         splits.clear()
 
     try:
-        for location, text in read_documents(unit, text_key):
+        for location, text in read_documents(unit, text_key, data):
             stats["documents_read"] += 1
             if isinstance(text, Skipped):
                 stats["documents_skipped"][text] += 1
                 if len(stats["skipped_examples"][text]) < MAX_SKIP_EXAMPLES:
                     stats["skipped_examples"][text].append(f"{unit.path} {location}")
                 continue
-            split = "val" if is_validation(text.encode("utf-8"), val_fraction) else "train"
+            split = unit.split or ("val" if is_validation(text.encode("utf-8"), val_fraction) else "train")
             stats["documents_kept"][split] += 1
             texts.append(text)
             splits.append(split)
@@ -351,6 +459,7 @@ def encode_unit(unit: WorkUnit, tmp_prefix: str, text_key: str, val_fraction: fl
     finally:
         for f in outputs.values():
             f.close()
+    stats["pid"] = os.getpid()
     return stats
 
 
@@ -532,7 +641,7 @@ def resolve_dtype(dtype: str, vocab_size: int, tokenizer: Path | str = "tokenize
 
 def _fingerprint(inputs: list[dict], tokenizer: dict, settings: dict) -> str:
     # Everything that changes the bytes of the output, and nothing else (not --workers).
-    payload = {"inputs": [[i["path"], i["size"], i["mtime_ns"]] for i in inputs],
+    payload = {"inputs": [[i["path"], i["size"], i["mtime_ns"], i["split"]] for i in inputs],
                "tokenizer_sha256": tokenizer["sha256"], "settings": settings}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -578,26 +687,40 @@ class Plan:
         return np.dtype(self.tokenizer["dtype"])
 
 
-def plan_job(inputs: Sequence[str], tokenizer: str | os.PathLike, val_fraction: float = 0.0005,
-             shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text") -> Plan:
-    """Check the arguments, the tokenizer and every input's schema, and cut the inputs into units."""
+def plan_job(inputs: Sequence[str], tokenizer: str | os.PathLike, val_fraction: float | None = None,
+             shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text",
+             val_inputs: Sequence[str] = ()) -> Plan:
+    """Check the arguments, the tokenizer and every input's schema, and cut the inputs into units.
+
+    ``val_fraction`` None means 0.0005 without ``val_inputs`` and 0 with them.
+    """
+    if val_fraction is None:
+        val_fraction = 0.0 if val_inputs else 0.0005
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     tokenizer_info = load_tokenizer_info(Path(tokenizer).resolve(), dtype)
+    train_paths = expand_inputs(inputs)
+    val_paths = expand_inputs(val_inputs, flag="--val-input") if val_inputs else []
+    both = sorted(set(train_paths) & set(val_paths))
+    if both:
+        raise ValueError(f"{both[0]}: matched by both --input and --val-input; a held-out file must not "
+                         "also be trained on")
     units: list[WorkUnit] = []
     input_info = []
-    for path in expand_inputs(inputs):
-        file_units = plan_units(path, text_key)
+    for path, split in [(p, None) for p in train_paths] + [(p, "val") for p in val_paths]:
+        file_units = plan_units(path, text_key, split=split)
         stat = path.stat()
         input_info.append({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                           "kind": input_kind(path)[0], "units": len(file_units)})
+                           "kind": input_kind(path)[0], "units": len(file_units),
+                           "split": split or ("train and val by hash" if val_fraction > 0 else "train")})
         units += file_units
     settings = {"format_version": FORMAT_VERSION, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
                 "dtype": tokenizer_info["dtype"], "text_key": text_key, "bos": False, "eos": True,
-                "jsonl_unit_bytes": JSONL_UNIT_BYTES,
-                "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64"}
+                "jsonl_unit_bytes": JSONL_UNIT_BYTES, "parquet_unit_rows": PARQUET_UNIT_ROWS,
+                "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64; "
+                         "every document of a --val-input file"}
     return Plan(units, input_info, tokenizer_info, settings, _fingerprint(input_info, tokenizer_info, settings))
 
 
@@ -628,11 +751,22 @@ def _open_journal(output: Path, plan: Plan, overwrite: bool) -> dict:
     return journal
 
 
+def _unit_tasks(plan: Plan, start: int, tmp_dir: Path, stack: contextlib.ExitStack) -> Iterator[tuple]:
+    """The ``encode_unit`` arguments of units ``start, start + 1, ...``; the ranges of compressed
+    files are read here, in order, so each stream is decompressed once."""
+    cursor = _StreamCursor()
+    stack.callback(cursor.close)
+    for i in range(start, len(plan.units)):
+        unit = plan.units[i]
+        data = cursor.read(unit) if unit.compression is not None and unit.end != -1 else None
+        yield (unit, str(tmp_dir / f"unit_{i:09d}"), plan.settings["text_key"], plan.settings["val_fraction"],
+               plan.settings["dtype"], plan.tokenizer["eos_id"], data)
+
+
 def _unit_results(plan: Plan, start: int, tmp_dir: Path, processes: int, stack: contextlib.ExitStack) -> Iterator[dict]:
     """Counters of units ``start, start + 1, ...`` in order, their tokens waiting in ``tmp_dir``."""
     tokenizer_path = plan.tokenizer["path"]
-    tasks = ((plan.units[i], str(tmp_dir / f"unit_{i:09d}"), plan.settings["text_key"], plan.settings["val_fraction"],
-              plan.settings["dtype"], plan.tokenizer["eos_id"]) for i in range(start, len(plan.units)))
+    tasks = _unit_tasks(plan, start, tmp_dir, stack)
     if processes == 1:
         _init_worker(tokenizer_path)
         return map(_encode_unit_task, tasks)
@@ -644,19 +778,24 @@ def _unit_results(plan: Plan, start: int, tmp_dir: Path, processes: int, stack: 
 
 
 def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | os.PathLike, workers: int | None = None,
-            val_fraction: float = 0.0005, shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text",
-            time_limit: float | None = None, overwrite: bool = False, progress: bool = True) -> dict | None:
-    """Tokenise ``inputs`` (glob patterns) into packed shards in ``output``.
+            val_fraction: float | None = None, shard_tokens: int = 1 << 27, dtype: str = "auto", text_key: str = "text",
+            time_limit: float | None = None, overwrite: bool = False, progress: bool = True,
+            val_inputs: Sequence[str] = (), on_unit: Callable[[int, WorkUnit, dict], None] | None = None
+            ) -> dict | None:
+    """Tokenise ``inputs`` (glob patterns) into packed shards in ``output``; every document of
+    ``val_inputs`` goes to validation (``val_fraction``: see :func:`plan_job`).
 
     Returns the manifest (a dict, also written to ``output/manifest.json``) when the job is
     complete, or None when ``time_limit`` seconds passed first (progress is kept: call again).
+    ``on_unit(index, unit, counters)`` is called as each work unit is committed (counters include
+    the ``pid`` of the process that tokenised it).
     Worker processes are spawned, so they import the caller's ``__main__`` module: keep heavy
     imports of a calling script under ``if __name__ == "__main__"``.
     """
     workers = workers or len(os.sched_getaffinity(0))
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    plan = plan_job(inputs, tokenizer, val_fraction, shard_tokens, dtype, text_key)
+    plan = plan_job(inputs, tokenizer, val_fraction, shard_tokens, dtype, text_key, val_inputs)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     if not overwrite:
@@ -697,6 +836,8 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
                 part.unlink()
                 writers[split].sync()
             _add_stats(stats, unit_stats)
+            if on_unit is not None:
+                on_unit(index, plan.units[index], unit_stats)
             journal["units_done"] = index + 1
             journal["splits"] = {split: {"shards": w.shards, "partial_tokens": w.partial_tokens}
                                  for split, w in writers.items()}
@@ -755,10 +896,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="parquet / jsonl[.zst|.gz] file or glob (quote it); repeatable, order kept")
+    parser.add_argument("--val-input", action="append", default=[],
+                        help="held-out file or glob, repeatable: all its documents go to val_*.bin, none to "
+                             "training (then --val-fraction defaults to 0)")
     parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
     parser.add_argument("--output", required=True, help="output directory for shards and manifest.json")
     parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
-    parser.add_argument("--val-fraction", type=float, default=0.0005, help="share of documents for validation")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="share of --input documents for validation, chosen by a hash of the text "
+                             "(default 0.0005; 0 with --val-input)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 2**27)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "uint8", "uint16", "int32", "int64"],
                         help="token type (auto: uint16 below 65500 pieces, else int32)")
@@ -771,7 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     manifest = prepare(args.input, args.tokenizer, args.output, workers=args.workers, val_fraction=args.val_fraction,
                        shard_tokens=args.shard_tokens, dtype=args.dtype, text_key=args.text_key,
-                       time_limit=args.time_limit, overwrite=args.overwrite, progress=not args.quiet)
+                       time_limit=args.time_limit, overwrite=args.overwrite, progress=not args.quiet,
+                       val_inputs=args.val_input)
     return 0 if manifest is not None else EXIT_INCOMPLETE
 
 

@@ -1,18 +1,34 @@
 """Train a SentencePiece BPE tokenizer with the Llama-2 settings.
 
     python data_prep/train_tokenizer.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
-        --vocab-size 32000 --output tokenizer.model [--max-sentences 2000000] [--seed 3407]
+        --vocab-size 32000 --output tokenizer.model [--newlines pieces|bytes] [--seed 3407]
 
 Writes ``tokenizer.model`` and ``tokenizer.vocab``. Inputs: parquet (column ``text``), JSON lines
 (``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` / ``.gz``; key ``text``) and text files
 (one document per line).
 
+Newlines (``--newlines``). SentencePiece trains on "sentences", and ``prepare.py`` encodes whole
+documents, newlines included.
+
+- ``pieces`` (the default): ``"\n"`` and ``"\n\n"`` are pieces of their own (user-defined symbols:
+  always one token, never merged with the text beside them), and the trainer sees documents, cut into
+  pieces of at most ``--max-sentence-length`` bytes (after a newline where one lies in the second half
+  of the window, else at a space). A paragraph break is one token, and the pieces that follow a
+  newline are learned as they occur in the encoded documents.
+- ``bytes``: Llama-2's behaviour. The trainer sees lines, so no piece holds a newline: every ``"\n"``
+  becomes the byte-fallback token ``<0x0A>``, and a paragraph break costs two tokens.
+
+On a corpus of English manuals, dictionaries and books (debian_docs_en, 32,000 pieces, trained on one
+of its files, scored on its held-out file) ``bytes`` spends 4.75% of all tokens on newlines;
+``pieces`` needs 2.4% fewer tokens for the same text (4.22 instead of 4.12 bytes per token).
+
 Sampling, streamed (nothing is loaded whole): the inputs' work units (parquet row groups, byte
 ranges or whole compressed files, as in ``prepare.py``) are visited in an order shuffled from
-``--seed``, until ``--max-documents`` documents have been read; their lines (the unit SentencePiece
-trains on) go through a reservoir of ``--max-sentences`` lines, which is what the trainer sees.
-Lines longer than ``--max-sentence-length`` bytes are cut at a space near the limit rather than
-dropped, as SentencePiece would drop them.
+``--seed``, until ``--max-documents`` documents have been read; their sentences (document pieces, or
+lines with ``--newlines bytes``) go through a reservoir of ``--max-sentences``, which is what the
+trainer sees (default 500,000 document pieces, about 2 GB of text at most, or 2,000,000 lines).
+Sentences longer than ``--max-sentence-length`` bytes are cut rather than dropped, as SentencePiece
+would drop them.
 
 Settings (Llama-2's ``trainer_spec`` / ``normalizer_spec``): BPE; byte fallback (no unknown
 characters: rare ones become <0x..> byte pieces); digits split into single pieces; identity
@@ -64,15 +80,21 @@ LLAMA2_SETTINGS = dict(
 )
 DEFAULT_CHARACTER_COVERAGE = 0.99995
 DEFAULT_MAX_SENTENCE_LENGTH = 4192
+NEWLINE_MODES = ("pieces", "bytes")
+NEWLINE_PIECES = ("\n", "\n\n")
+DEFAULT_MAX_SENTENCES = {"pieces": 500_000, "bytes": 2_000_000}
 
 
-def split_long_line(line: str, limit: int) -> list[str]:
-    """Cut ``line`` into pieces of at most ``limit`` UTF-8 bytes, at a space when one lies in the
-    second half of the window, else at a character boundary."""
+def split_long_line(line: str, limit: int, after_newline: bool = False) -> list[str]:
+    """Cut ``line`` into pieces of at most ``limit`` UTF-8 bytes: just after a newline when
+    ``after_newline`` and one lies in the second half of the window, else at a space there, else at
+    a character boundary. Whitespace-only pieces are dropped."""
     data = line.encode("utf-8")
     pieces = []
     while len(data) > limit:
-        cut = data.rfind(b" ", limit // 2, limit)
+        cut = data.rfind(b"\n", limit // 2, limit - 1) + 1 if after_newline else 0
+        if cut <= 0:
+            cut = data.rfind(b" ", limit // 2, limit)
         if cut <= 0:
             cut = limit
             while cut > 0 and (data[cut] & 0xC0) == 0x80:  # do not split a multi-byte character
@@ -83,14 +105,23 @@ def split_long_line(line: str, limit: int) -> list[str]:
     return [p for p in pieces if p.strip()]
 
 
+def sentences_of(text: str, newlines: str, limit: int) -> list[str]:
+    """What the trainer sees of one document: pieces of it (``pieces``) or its lines (``bytes``)."""
+    if newlines == "pieces":
+        return split_long_line(text, limit, after_newline=True)
+    return [piece for line in text.splitlines() if line.strip() for piece in split_long_line(line, limit)]
+
+
 def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents: int | None, seed: int,
                      max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH, text_key: str = "text",
-                     report: bool = True) -> list[str]:
-    """A reservoir sample of ``max_sentences`` lines of the inputs (see the module docstring)."""
+                     report: bool = True, newlines: str = "pieces") -> list[str]:
+    """A reservoir sample of ``max_sentences`` sentences of the inputs (see the module docstring)."""
+    if newlines not in NEWLINE_MODES:
+        raise ValueError(f"--newlines must be one of {', '.join(NEWLINE_MODES)}, got {newlines!r}")
     if max_sentences < 1:
         raise ValueError(f"--max-sentences must be >= 1, got {max_sentences}")
     paths = expand_inputs(patterns, kinds=("parquet", "jsonl", "text"))
-    units = [unit for path in paths for unit in plan_units(path, text_key)]
+    units = [unit for path in paths for unit in plan_units(path, text_key, split_compressed=False)]
     rng = random.Random(seed)
     rng.shuffle(units)
     reservoir: list[str] = []
@@ -107,9 +138,7 @@ def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents:
                 if isinstance(text, Skipped):
                     skipped += 1
                     continue
-                for line in text.splitlines():
-                    if line.strip():
-                        yield from split_long_line(line, max_sentence_length)
+                yield from sentences_of(text, newlines, max_sentence_length)
 
     for line in lines():
         # Algorithm R: after n lines, each has been kept with probability max_sentences / n.
@@ -123,7 +152,7 @@ def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents:
     if not reservoir:
         raise ValueError(f"--input: no text found in {', '.join(map(str, patterns))}")
     if report:
-        print(f"sampled {len(reservoir):,} of {seen:,} lines from {documents:,} documents "
+        print(f"sampled {len(reservoir):,} of {seen:,} sentences from {documents:,} documents "
               f"({skipped:,} skipped) in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return reservoir
 
@@ -131,9 +160,14 @@ def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents:
 def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_size: int = 32000, seed: int = 3407,
                     character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
                     max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH, num_threads: int | None = None,
-                    verbose: bool = False) -> Path:
-    """Train on ``sentences`` and write ``output`` (``*.model``) and its ``.vocab`` atomically."""
+                    verbose: bool = False, newlines: str = "pieces") -> Path:
+    """Train on ``sentences`` and write ``output`` (``*.model``) and its ``.vocab`` atomically;
+    ``newlines="pieces"`` adds the newline pieces (see the module docstring)."""
     import sentencepiece as spm
+
+    if newlines not in NEWLINE_MODES:
+        raise ValueError(f"--newlines must be one of {', '.join(NEWLINE_MODES)}, got {newlines!r}")
+    extra = {"user_defined_symbols": list(NEWLINE_PIECES)} if newlines == "pieces" else {}
 
     output = Path(output)
     if output.suffix != ".model":
@@ -161,6 +195,7 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
                 num_threads=num_threads or len(os.sched_getaffinity(0)),
                 minloglevel=0 if verbose else 2,
                 **LLAMA2_SETTINGS,
+                **extra,
             )
         except RuntimeError as error:
             if "required_chars" in str(error) or "Vocabulary size" in str(error):
@@ -180,7 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="parquet / jsonl[.zst|.gz] / txt file or glob (quote it); repeatable")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--output", required=True, help="PATH.model (PATH.vocab is written beside it)")
-    parser.add_argument("--max-sentences", type=int, default=2_000_000, help="lines given to the trainer")
+    parser.add_argument("--newlines", choices=NEWLINE_MODES, default="pieces",
+                        help="pieces: '\\n' and '\\n\\n' are tokens of their own and the trainer sees documents "
+                             "(default); bytes: Llama-2's line-by-line training, newlines by byte fallback")
+    parser.add_argument("--max-sentences", type=int, default=None,
+                        help="sentences given to the trainer (default 500000 document pieces, or 2000000 lines "
+                             "with --newlines bytes)")
     parser.add_argument("--max-documents", type=int, default=1_000_000,
                         help="stop reading after this many documents (0: read everything)")
     parser.add_argument("--seed", type=int, default=3407)
@@ -191,11 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="trainer threads (default: all cores)")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
     args = parser.parse_args(argv)
-    sentences = sample_sentences(args.input, args.max_sentences, args.max_documents or None, args.seed,
-                                 args.max_sentence_length, args.text_key)
+    max_sentences = args.max_sentences or DEFAULT_MAX_SENTENCES[args.newlines]
+    sentences = sample_sentences(args.input, max_sentences, args.max_documents or None, args.seed,
+                                 args.max_sentence_length, args.text_key, newlines=args.newlines)
     started = time.monotonic()
     path = train_tokenizer(sentences, args.output, args.vocab_size, args.seed, args.character_coverage,
-                           args.max_sentence_length, args.threads, args.verbose)
+                           args.max_sentence_length, args.threads, args.verbose, newlines=args.newlines)
     print(f"wrote {path} and {path.with_suffix('.vocab')} ({args.vocab_size} pieces) in "
           f"{time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -305,3 +305,65 @@ def test_cli_round_trip_and_exit_status(corpus, tokenizer_model, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "doc/s" in done.stderr and "tok/s" in done.stderr  # the progress bar
     assert json.loads((tmp_path / "manifest.json").read_text())["documents"]["read"] == 80
+
+
+def test_large_compressed_file_is_shared_by_every_worker(corpus, tokenizer_model, tmp_path, monkeypatch):
+    """One large .jsonl.zst beside small plain files: the large file is cut into ranges of whole
+    lines that every worker takes part in, and the output does not depend on the worker count."""
+    _, documents = corpus
+    records = [{"text": t} for t in documents]
+    _write_jsonl(tmp_path / "large.jsonl.zst", records[:200] * 3,
+                 opener=lambda p, m: zstandard.ZstdCompressor().stream_writer(open(p, m)))
+    for i in range(3):
+        _write_jsonl(tmp_path / f"small_{i}.jsonl", records[200 + 10 * i:210 + 10 * i])
+    monkeypatch.setattr(prep, "JSONL_UNIT_BYTES", 8192)
+    inputs = [str(tmp_path / "large.jsonl.zst"), str(tmp_path / "small_*.jsonl")]
+    workers_of = {}
+
+    def run(workers, out):
+        units = []
+        manifest = prep.prepare(inputs, tokenizer_model, out, workers=workers, val_fraction=VAL_FRACTION,
+                                shard_tokens=SHARD_TOKENS, progress=False,
+                                on_unit=lambda i, unit, stats: units.append((unit, stats["pid"])))
+        workers_of[workers] = {pid for unit, pid in units if unit.path.endswith("large.jsonl.zst")}
+        return manifest, units
+
+    manifest, units = run(3, tmp_path / "three")
+    large_units = [u for u, _ in units if u.path.endswith("large.jsonl.zst")]
+    assert len(large_units) >= 3 * 3 and manifest["inputs"][0]["units"] == len(large_units)
+    assert len(workers_of[3]) == 3  # every worker tokenised part of the large file
+    assert [u.start for u in large_units[1:]] == [u.end for u in large_units[:-1]]
+    run(1, tmp_path / "one")
+    assert shard_files(tmp_path / "three") == shard_files(tmp_path / "one")
+    assert manifest["documents"]["read"] == 630
+
+
+def test_parquet_row_groups_split_into_units(corpus, reference, tokenizer_model, tmp_path, monkeypatch):
+    root, _ = corpus
+    monkeypatch.setattr(prep, "PARQUET_UNIT_ROWS", 7)  # row groups of 30 rows -> 5 units each
+    manifest = prep.prepare([str(root / "part_*.parquet")], tokenizer_model, tmp_path, workers=2,
+                            val_fraction=VAL_FRACTION, shard_tokens=SHARD_TOKENS, progress=False)
+    assert manifest["work_units"] == 3 * (5 + 5 + 3)  # 80 rows per file: row groups of 30, 30, 20
+    assert shard_files(tmp_path) == shard_files(reference[0])
+
+
+def test_val_input_goes_only_to_validation(corpus, tokenizer_model, sp, tmp_path):
+    _, documents = corpus
+    _write_jsonl(tmp_path / "train.jsonl", [{"text": t} for t in documents[:150]])
+    _write_jsonl(tmp_path / "heldout.jsonl.zst", [{"text": t} for t in documents[150:]],
+                 opener=lambda p, m: zstandard.ZstdCompressor().stream_writer(open(p, m)))
+    manifest = prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "out", workers=2,
+                            shard_tokens=SHARD_TOKENS, progress=False, val_inputs=[str(tmp_path / "heldout.jsonl.zst")])
+    streams = {split: np.concatenate([read_litpkds(p)[1] for p in sorted((tmp_path / "out").glob(f"{split}_*.bin"))])
+               for split in ("train", "val")}
+    assert streams["train"].tolist() == expected_streams(documents[:150], sp, 0.0)["train"]
+    assert streams["val"].tolist() == expected_streams(documents[150:], sp, 1.0)["val"]
+    assert manifest["settings"]["val_fraction"] == 0.0
+    assert [(Path(i["path"]).name, i["split"]) for i in manifest["inputs"]] == [("train.jsonl", "train"),
+                                                                              ("heldout.jsonl.zst", "val")]
+    with pytest.raises(ValueError, match=r"train\.jsonl: matched by both --input and --val-input"):
+        prep.prepare([str(tmp_path / "*.jsonl")], tokenizer_model, tmp_path / "o2", progress=False,
+                     val_inputs=[str(tmp_path / "train.jsonl")])
+    with pytest.raises(FileNotFoundError, match="--val-input: no files match"):
+        prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "o3", progress=False,
+                     val_inputs=[str(tmp_path / "missing*.jsonl")])

@@ -30,8 +30,8 @@ def test_model_carries_the_llama2_settings(tokenizer_model):
     assert (spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id) == (0, 1, 2, -1)
     assert spec.character_coverage == pytest.approx(0.99995) and spec.max_sentencepiece_length == 16
     assert norm.name == "identity" and norm.add_dummy_prefix and not norm.remove_extra_whitespaces
-    assert [p.piece for p in proto.pieces[:3]] == ["<unk>", "<s>", "</s>"]
-    assert [p.piece for p in proto.pieces[3:259]] == [f"<0x{b:02X}>" for b in range(256)]
+    assert [p.piece for p in proto.pieces[:5]] == ["<unk>", "<s>", "</s>", "\n", "\n\n"]  # newline pieces
+    assert [p.piece for p in proto.pieces[5:261]] == [f"<0x{b:02X}>" for b in range(256)]
 
 
 def test_tokenizer_behaviour(sp):
@@ -42,6 +42,29 @@ def test_tokenizer_behaviour(sp):
     for text in ["ＡＢＣ ﬁ x", "two  spaces\tand\ttabs\n\nnewlines", "    indented code"]:
         assert sp.decode(sp.encode(text)) == text  # identity normalisation, whitespace kept
     assert sp.encode("hello", add_bos=False, add_eos=False)[0] not in (1, 2)
+
+
+def test_newline_modes(tmp_path, make_documents):
+    """pieces: a paragraph break is one token of its own and the trainer sees whole documents;
+    bytes: the trainer sees lines and newlines fall back to <0x0A>."""
+    documents = make_documents(200, seed=4)
+    text = "First line\nsecond line\n\nA new paragraph."
+    models = {}
+    for mode in ("pieces", "bytes"):
+        (tmp_path / mode).mkdir()
+        path = tmp_path / mode / "docs.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+        sentences = sample_sentences([str(path)], 10_000, None, seed=1, report=False, newlines=mode)
+        assert any("\n" in s for s in sentences) == (mode == "pieces")
+        models[mode] = spm.SentencePieceProcessor(model_file=str(
+            train_tokenizer(sentences, tmp_path / mode / "tok.model", vocab_size=500, seed=1, newlines=mode)))
+    pieces = models["pieces"].encode(text, out_type=str)
+    assert "\n\n" in pieces and "\n" in pieces and not any(p.startswith("<0x") for p in pieces)
+    assert models["bytes"].encode(text, out_type=str).count("<0x0A>") == 3
+    for sp in models.values():
+        assert sp.decode(sp.encode(text)) == text
+    with pytest.raises(ValueError, match="--newlines"):
+        sample_sentences([str(path)], 10, None, seed=1, report=False, newlines="lines")
 
 
 def test_reservoir_sampling_is_streamed_bounded_and_seeded(tmp_path):
@@ -65,6 +88,9 @@ def test_long_lines_are_cut_not_dropped():
     assert all(len(p.encode()) <= 4192 for p in pieces)
     assert "".join(pieces) == line
     assert split_long_line("short", 4192) == ["short"]
+    paragraphs = ("word " * 30 + "\n") * 20
+    pieces = split_long_line(paragraphs, 400, after_newline=True)
+    assert "".join(pieces) == paragraphs and all(p.endswith("\n") for p in pieces)
 
 
 def test_training_is_deterministic(tmp_path):
@@ -88,7 +114,7 @@ def test_cli_reads_parquet_jsonl_zst_and_text(tmp_path, make_documents, write_fi
          "--output", str(tmp_path / "out" / "tok.model"), "--max-sentences", "1000", "--seed", "1"],
         capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "out" / "tok.vocab").read_text().count("\n") == 400
+    assert (tmp_path / "out" / "tok.vocab").read_text().startswith("<unk>\t0\n<s>\t0\n</s>\t0\n\n\t0\n")
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tok.model"))
     assert sp.vocab_size() == 400 and sp.eos_id() == 2
 
