@@ -4,7 +4,7 @@
 ``loader``: ``TrainLoader`` (mixed, shuffled, rank-sharded, exactly resumable) and ``ValLoader``.
 """
 
-from gdn2.data.shards import PackedShardReader, find_shards, token_dtype_for_vocab, write_shard
+from gdn2.data.shards import PackedShardReader, find_shards, read_manifest, token_dtype_for_vocab, write_shard
 
 _LOADER_NAMES = ("TrainLoader", "ValLoader", "document_cu_seqlens")
 
@@ -25,6 +25,7 @@ __all__ = [
     "ValLoader",
     "document_cu_seqlens",
     "find_shards",
+    "read_manifest",
     "token_dtype_for_vocab",
     "write_shard",
 ]

@@ -16,6 +16,7 @@ so that sorting the names sorts the shards in stream order.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import struct
 from pathlib import Path
@@ -40,6 +41,9 @@ DTYPE_CODES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 CODE_OF_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPE_CODES.items()}
+
+# Written by data_prep/prepare.py beside the shards it makes.
+MANIFEST_NAME = "manifest.json"
 
 # lit-gpt switches to int32 at this vocabulary size (a little below 2**16, for no documented reason;
 # we keep the threshold so that the same tokenizer gives the same files).
@@ -147,3 +151,21 @@ def find_shards(pattern_or_dir: str | os.PathLike, split: str = "train") -> list
     if not matches:
         raise FileNotFoundError(f"no shards match {pattern!r} (from {str(pattern_or_dir)!r}, split {split!r})")
     return matches
+
+
+def read_manifest(pattern_or_dir: str | os.PathLike) -> dict | None:
+    """The ``manifest.json`` that ``prepare.py`` wrote beside the shards of a folder (or of the folder
+    a glob pattern points into), or None when there is none. A manifest that is not JSON is an error
+    naming it."""
+    target = Path(pattern_or_dir).expanduser()
+    folder = target if target.is_dir() else target.parent
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable manifest ({error})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: not a readable manifest (expected a JSON object)")
+    return manifest

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.data import TrainLoader, ValLoader, find_shards
+from gdn2.data import TrainLoader, ValLoader, find_shards, read_manifest
 from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.train.checkpoint import (list_checkpoints, load_checkpoint, read_checkpoint_config, read_marker,
@@ -175,6 +175,37 @@ def prepare_default_corpus(recipe: Recipe) -> None:
         log.info("no shards in %s: preparing the built-in corpus (%s --output %s)", folder, script, folder)
         subprocess.run([sys.executable, str(script), "--output", folder], check=True)
         done.add(folder)
+
+
+def data_identity(source: str) -> dict[str, Any]:
+    """What a run folder records of one data source: its tokenizer and size, from the manifest that
+    ``prepare.py`` wrote (None where the folder has none)."""
+    manifest = read_manifest(source) or {}
+    tokenizer = manifest.get("tokenizer") or {}
+    return {"path": source, "tokenizer_sha256": tokenizer.get("sha256"), "vocab_size": tokenizer.get("vocab_size"),
+            "tokens": manifest.get("tokens"), "fingerprint": manifest.get("fingerprint")}
+
+
+def write_run_info(out_dir: Path, recipe: Recipe, num_params: int, block_params: int, device_name: str,
+                   world_size: int, precision: str, strategy: str) -> None:
+    """``run.json`` in the run folder: what ran where, on which data (read by ``eval/compare.py``)."""
+    import json
+
+    info = {
+        "config_name": recipe.config_name,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device_name,
+        "world_size": world_size,
+        "precision": precision,
+        "strategy": strategy,
+        "parameters": num_params,
+        "block_parameters": block_params,
+        "flops_per_token": flops_per_token(recipe.model, recipe.model.block_size),
+        "torch": torch.__version__,
+        "data": {"train": [dict(data_identity(s.path), weight=s.weight) for s in recipe.train_sources()],
+                 "val": data_identity(recipe.data.val) if recipe.data.val else None},
+    }
+    (out_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 def build_val_loaders(recipe: Recipe, rank: int, world_size: int) -> dict[int, ValLoader]:
@@ -418,6 +449,12 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for whatever runs in fp32
     model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
+    device_name = torch.cuda.get_device_name(fabric.device) if device_type == "cuda" else "cpu"
+    if rank0:
+        with torch.device("meta"):
+            block_params = GPT(recipe.model).num_parameters(blocks_only=True)
+        write_run_info(out_dir, recipe, num_params, block_params, device_name, fabric.world_size, precision,
+                       type(fabric.strategy).__name__)
 
     sources = [(s.path, s.weight) for s in recipe.train_sources()]
     train_loader = TrainLoader(sources, plan.block_size, plan.micro_batch_size, seed=recipe.train.seed,
@@ -442,7 +479,6 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
             log.warning("changed since the checkpoint: %s", line)
 
     peak = recipe.logging.peak_flops
-    device_name = torch.cuda.get_device_name(fabric.device) if device_type == "cuda" else "cpu"
     if peak is None and device_type == "cuda":
         peak = peak_bf16_flops(device_name)
         if peak is None:
