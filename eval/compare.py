@@ -308,7 +308,7 @@ def plot(runs: Sequence[Run], path: Path, title: str) -> None:
     extrapolation.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 

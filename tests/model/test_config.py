@@ -35,10 +35,16 @@ def test_interleave_rule():
     assert set(Config.from_name("transformer_1.3B").layer_kinds) == {"attention"}
 
 
-def test_transformer_baseline_within_one_percent_of_hybrid():
-    t = _meta_model("transformer_1.3B").num_parameters(blocks_only=True)
-    h = EXPECTED["swa_gdn2_1.3B"][0]
-    assert abs(t - h) / h < 0.01
+@pytest.mark.parametrize("size", ["125M", "400M", "1.3B"])
+def test_transformer_baseline_matches_the_hybrid(size):
+    """Same width, depth, heads, vocabulary and context; blocks within 1% of the hybrid's."""
+    t, h = Config.from_name(f"transformer_{size}"), Config.from_name(f"swa_gdn2_{size}")
+    assert set(t.layer_kinds) == {"attention"} and t.sliding_window is None
+    for key in ("n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "vocab_size", "block_size"):
+        assert getattr(t, key) == getattr(h, key), key
+    blocks_t = _meta_model(f"transformer_{size}").num_parameters(blocks_only=True)
+    blocks_h = _meta_model(f"swa_gdn2_{size}").num_parameters(blocks_only=True)
+    assert abs(blocks_t - blocks_h) / blocks_h < 0.01
 
 
 def test_every_named_config_builds():
