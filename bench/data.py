@@ -4,7 +4,7 @@
 
 1. Generates a FineWeb-Edu-shaped parquet corpus of English-like text (pseudo-words drawn from a
    Zipfian lexicon, numbers, punctuation, paragraphs), row groups of 1000 documents.
-2. Trains a tokenizer on it with ``data_prep/train_tokenizer.py``'s settings (``--vocab-size``;
+2. Trains a tokenizer on it with ``gdn2 tokenizer``'s settings (``--vocab_size``;
    pass ``--tokenizer`` to use an existing one instead).
 3. Times ``prepare()`` end to end (planning, worker start-up, tokenising, writing shards) with one
    worker and with ``--workers``: tokens/s in total and per worker; and SentencePiece's own
@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.prepare import prepare  # noqa: E402
-from data_prep.train_tokenizer import sample_sentences, train_tokenizer  # noqa: E402
+from gdn2.data.prepare import prepare  # noqa: E402
+from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer  # noqa: E402
 from gdn2.data import write_shard  # noqa: E402
 
 SYLLABLES = ("ka ti ro ne su ma lo pe di an er in on at es th ch sh qu str pr gr bl ou ea io "

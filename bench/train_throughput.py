@@ -45,7 +45,8 @@ def run_trial(args: argparse.Namespace) -> None:
     import torch
 
     from gdn2.model import flops_per_token
-    from gdn2.train.loop import build_fabric, build_model_and_optimizer, train_step
+    from gdn2.train.loop import train_step
+    from gdn2.train.setup import build_fabric, build_model_and_optimizer
     from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
     from gdn2.train.recipe import load_recipe, make_plan
 
@@ -276,13 +277,13 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     report["val"] = val[-1] if val else None
 
     t0 = time.time()
-    cons = subprocess.run([sys.executable, str(ROOT / "pretrain" / "consolidate.py"), str(run_dir / "checkpoints"),
-                           "--output", str(workdir / "model.pt")], cwd=ROOT, capture_output=True, text=True,
+    cons = subprocess.run([sys.executable, "-m", "gdn2", "consolidate", str(run_dir / "checkpoints"),
+                           "--out", str(workdir / "final")], cwd=ROOT, capture_output=True, text=True,
                           timeout=cfg.trial_timeout * 2)
     report["consolidate_rc"] = cons.returncode
     report["consolidate_wall_s"] = round(time.time() - t0, 1)
     report["consolidate_output"] = (cons.stdout + cons.stderr).strip().splitlines()[-1:] if (cons.stdout + cons.stderr).strip() else []
-    (workdir / "model.pt").unlink(missing_ok=True)
+    shutil.rmtree(workdir / "final", ignore_errors=True)
     return report
 
 
@@ -333,7 +334,7 @@ def main() -> None:
     report: dict = {"config": args.config, "gpus": args.gpus, "device": device,
                     "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.phase in ("all", "trainer"):
-        print(f"[trainer] {args.config} on {args.gpus} GPU(s): pretrain/main.py, resume, consolidate", flush=True)
+        print(f"[trainer] {args.config} on {args.gpus} GPU(s): pretrain/main.py, resume, gdn2 consolidate", flush=True)
         report["trainer"] = trainer_phase(args, workdir)
         print(json.dumps(report["trainer"], indent=1), flush=True)
     if args.phase in ("all", "search"):

@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass, named configs stored as YAML in ``configs/``.
+"""Model configuration: one dataclass, named configs stored as YAML in ``gdn2/configs/`` (package data).
 
 A named config file holds several sections (``model``, ``train``, ``data``, ...); this module reads the
 ``model`` section. The other sections belong to the trainer (``gdn2.train.recipe``).
@@ -16,14 +16,18 @@ from typing import Any, Optional
 
 import yaml
 
-# The repository's configs/ folder (this file lives in <repo>/gdn2/config.py).
-_REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# The largest head dimension the Triton kernels take (GDN-2 key and value heads, attention heads).
+MAX_HEAD_DIM = 256
+
+# The named configs that ship with the package.
+PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def config_dirs() -> list[Path]:
-    """Folders searched for named configs: ``$GDN2_CONFIG_DIR`` (os.pathsep separated) then ``configs/``."""
+    """Folders searched for named configs: ``$GDN2_CONFIG_DIR`` (os.pathsep separated), then the
+    package's own ``gdn2/configs``."""
     dirs = [Path(p) for p in os.environ.get("GDN2_CONFIG_DIR", "").split(os.pathsep) if p]
-    return dirs + [_REPO_CONFIGS]
+    return dirs + [PACKAGE_CONFIGS]
 
 
 def known_config_names() -> list[str]:
@@ -49,8 +53,17 @@ def find_config_file(name: str) -> Path:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    """A config file's sections; ValueError naming the file for anything but a YAML mapping."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
     return data
@@ -163,6 +176,8 @@ class Config:
                     "gdn2_num_heads", "gdn2_head_dim", "gdn2_conv_size", "gdn2_gate_rank"):
             need(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
         need(self.gdn2_per_layer >= 0, "gdn2_per_layer", f"must be >= 0, got {self.gdn2_per_layer}")
+        need(self.norm_eps > 0, "norm_eps", f"must be positive, got {self.norm_eps}")
+        need(self.rope_base > 1, "rope_base", f"must be greater than 1, got {self.rope_base}")
         if self.head_size is None:
             need(self.n_embd % self.n_head == 0, "n_head", f"must divide n_embd={self.n_embd}")
             self.head_size = self.n_embd // self.n_head
@@ -171,6 +186,10 @@ class Config:
         need(self.n_head % self.n_query_groups == 0, "n_query_groups",
              f"({self.n_query_groups}) must divide n_head ({self.n_head})")
         need(self.head_size % 2 == 0, "head_size", f"must be even for RoPE, got {self.head_size}")
+        need(0 < self.head_size <= MAX_HEAD_DIM, "head_size",
+             f"must be in [1, {MAX_HEAD_DIM}] (the attention kernels' largest head), got {self.head_size}")
+        need(self.gdn2_head_dim <= MAX_HEAD_DIM, "gdn2_head_dim",
+             f"must be at most {MAX_HEAD_DIM} (the GDN-2 kernels' largest head), got {self.gdn2_head_dim}")
         if self.sliding_window is not None:
             need(self.sliding_window >= 1, "sliding_window", f"must be >= 1 or null, got {self.sliding_window}")
         if self.gdn2_num_v_heads is None:
@@ -180,6 +199,8 @@ class Config:
         v_dim = self.gdn2_head_dim * self.gdn2_expand_v
         need(v_dim == int(v_dim) and v_dim > 0, "gdn2_expand_v",
              f"times gdn2_head_dim must be a positive integer, got {v_dim}")
+        need(v_dim <= MAX_HEAD_DIM, "gdn2_expand_v",
+             f"times gdn2_head_dim must be at most {MAX_HEAD_DIM} (the GDN-2 kernels' largest value head), got {v_dim}")
 
     # derived sizes -------------------------------------------------------------------------------
     @property
@@ -208,7 +229,7 @@ class Config:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Config":
-        """The ``model`` section of ``configs/<name>.yaml`` (or of a YAML path), with overrides."""
+        """The ``model`` section of the named config (or of a YAML path), with overrides."""
         path = find_config_file(name)
         data = load_yaml(path)
         if "model" not in data:

@@ -1,11 +1,11 @@
 #!/bin/bash
 # Quality study: train the hybrid, the pure GDN-2 model and the transformer of one size on the same
 # tokens in the same order with the same recipe, validate each at 1x, 2x and 4x its context, score it
-# on the offline lm-eval tasks, then compare them (eval/compare.py: table and picture).
+# on the offline lm-eval tasks, then compare them (gdn2 compare: table and picture).
 #
 #   scripts/quality_study.sh DATA OUT [options] [-- extra trainer overrides]
 #
-#   DATA  a folder of shards from data_prep/prepare.py, with its tokenizer.model beside them
+#   DATA  a folder of shards from python -m gdn2 prepare, with its tokenizer.model beside them
 #   OUT   the study folder: one run folder per model and seed, and compare/ (compare.md, .png)
 #
 # options (defaults in brackets):
@@ -91,5 +91,5 @@ EOF
             --checkpoint.interval 0 --checkpoint.keep_last 1 --logging.interval 8 "$@"
     done
 done
-"$PYTHON" eval/compare.py "${runs[@]}" --out "$OUT/compare" \
+"$PYTHON" -m gdn2 compare "${runs[@]}" --out "$OUT/compare" \
     --title "$(basename "$DATA"), $TOKENS tokens per run, batch $BATCH x context, lr $LR, seeds $SEEDS"

@@ -24,13 +24,14 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import yaml
 
 from gdn2.durable import fsync_dir
+from gdn2.train.schedule import due
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +122,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def write_marker(path: Path, marker: dict[str, Any]) -> None:
+    """The ``COMPLETE`` marker: the last file of a checkpoint, written durably."""
+    with open(path / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], rank_state: dict[str, Any],
-                    config_yaml: str, info: dict[str, Any], keep_last: int,
-                    before_commit: Optional[Callable[[], None]] = None) -> Path:
+                    config_yaml: str, info: dict[str, Any], keep_last: int) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; every rank calls this.
 
     ``state``: what ``fabric.save`` takes (``{"model", "optimizer", "trainer": dict}``).
     ``rank_state``: this rank's picklable extras (data loader, RNG). ``info`` goes into the marker.
-    ``before_commit`` runs on every rank after the data is written and before the marker (the crash
-    test's hook). Afterwards only the newest ``keep_last`` complete checkpoints are kept.
+    Afterwards only the newest ``keep_last`` complete checkpoints are kept.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -150,16 +157,10 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
     torch.save(rank_state, ranks / f"rank-{fabric.global_rank:05d}.pt")
     if fabric.global_rank == 0:
         (tmp / CONFIG).write_text(config_yaml)
-    if before_commit is not None:
-        before_commit()
     fabric.barrier()
 
     if fabric.global_rank == 0:
-        marker = dict(info, step=step, world_size=fabric.world_size, saved_at=time.time())
-        with open(tmp / MARKER, "w") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_marker(tmp, dict(info, step=step, world_size=fabric.world_size, saved_at=time.time()))
         os.replace(tmp, final)
         fsync_dir(root)
         prune_checkpoints(root, keep_last)
@@ -196,6 +197,37 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
     rank_file = path / RANKS / f"rank-{fabric.global_rank:05d}.pt"
     extras = torch.load(rank_file, map_location="cpu", weights_only=False)
     return remainder["trainer"], extras
+
+
+class Checkpointer:
+    """The run's checkpoints: saves on the ``checkpoint`` section's schedule (never inside a run of
+    skipped steps, which would rotate out older good ones), and on demand (a signal, a stop)."""
+
+    def __init__(self, fabric: Any, recipe: Any, model: Any, optimizer: Any, state: Any, loader: Any,
+                 max_steps: int, last: Optional[Path] = None) -> None:
+        self.fabric, self.recipe, self.model, self.optimizer = fabric, recipe, model, optimizer
+        self.state, self.loader, self.max_steps = state, loader, max_steps
+        self.last = last  # the newest checkpoint of this run (the one resumed from, at first)
+
+    def save(self) -> Path:
+        c = self.recipe.checkpoint
+        trainer = {"model": self.model, "optimizer": self.optimizer, "trainer": self.state.state_dict()}
+        self.last = save_checkpoint(
+            self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
+            rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
+            config_yaml=self.recipe.to_yaml(), info={"tokens": self.state.tokens, "config_name": self.recipe.config_name},
+            keep_last=c.keep_last)
+        if self.fabric.global_rank == 0:
+            log.info("saved checkpoint %s", self.last)
+        return self.last
+
+    def maybe_save(self, step: int, end: bool = False) -> Optional[Path]:
+        c = self.recipe.checkpoint
+        if not due(c.interval, c.at_end, step, self.max_steps, end):
+            return None
+        if not end and self.state.consecutive_nonfinite:
+            return None
+        return self.save()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,3 +274,59 @@ def consolidate_checkpoint(path: Path) -> dict[str, Any]:
     model = _strip_wrappers(model)
     return {"model": model, "config": recipe["model"], "step": marker["step"], "tokens": marker.get("tokens"),
             "recipe": recipe}
+
+
+def default_consolidated_dir(checkpoint: Path) -> Path:
+    """``<run>/final`` for a checkpoint ``<run>/checkpoints/step-<N>``: outside the folder that
+    checkpoint rotation prunes."""
+    checkpoint = Path(checkpoint).resolve()
+    folder = checkpoint.parent if _NAME.match(checkpoint.name) else checkpoint
+    return folder.parent / "final"
+
+
+def write_consolidated(path: Path, out: Path) -> dict[str, Any]:
+    """Consolidate checkpoint ``path`` into ``out/model.pt``, with the resolved recipe
+    (``out/config.yaml``) and the run's tokenizer (``out/tokenizer.model``, when found) beside it."""
+    from gdn2.generate import find_run_tokenizer
+
+    consolidated = consolidate_checkpoint(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.pt.tmp"
+    torch.save(consolidated, tmp)
+    os.replace(tmp, out / "model.pt")
+    shutil.copyfile(path / CONFIG, out / CONFIG)
+    tokenizer = find_run_tokenizer(consolidated["recipe"], [Path.cwd(), path])
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.model")
+    fsync_dir(out)
+    return {"model": out / "model.pt", "tokenizer": tokenizer, "step": consolidated["step"],
+            "parameters": sum(t.numel() for t in consolidated["model"].values()),
+            "config_name": consolidated["config"].get("name")}
+
+
+def consolidate_main(argv: Optional[list[str]] = None) -> int:
+    """``python -m gdn2 consolidate CHECKPOINT [--out DIR]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="gdn2 consolidate",
+        description="Turn a training checkpoint (sharded or not) into one model.pt for evaluation, generation "
+                    "and sharing: {model: fp32 state_dict under bare parameter names, config, step, tokens, "
+                    "recipe}, with config.yaml and tokenizer.model beside it. Runs in one CPU process, "
+                    "whatever the number of ranks that wrote the checkpoint.")
+    parser.add_argument("checkpoint", help="a step-<N> checkpoint folder, or a folder of them (the newest "
+                                           "complete one is used)")
+    parser.add_argument("--out", default=None, help="output folder (default: <run>/final, outside checkpoint "
+                                                    "rotation)")
+    args = parser.parse_args(argv)
+    root = Path(args.checkpoint)
+    if not root.exists():
+        raise FileNotFoundError(f"checkpoint {root} does not exist")
+    path = resolve_resume(str(root), root)
+    if path is None:
+        raise ValueError(f"{root}: holds no complete checkpoint")
+    out = Path(args.out) if args.out else default_consolidated_dir(path)
+    info = write_consolidated(path, out)
+    print(f"wrote {info['model']}: {info['parameters']:,} parameters, step {info['step']}, config "
+          f"{info['config_name']}; tokenizer: {info['tokenizer'] or 'not found (pass --tokenizer when loading)'}")
+    return 0

@@ -60,3 +60,14 @@ def cross_entropy_fp32(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk_tokens,
                                       ignore_index)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int) -> torch.Tensor:
+    """Mean next-token loss of one micro-batch (``input_ids``, ``labels``, optional ``cu_seqlens``)."""
+    cu = batch.get("cu_seqlens")
+    logits = model(batch["input_ids"], cu_seqlens=cu) if cu is not None else model(batch["input_ids"])
+    return cross_entropy_fp32(logits, batch["labels"], chunk_tokens)

@@ -135,3 +135,66 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a ``metrics.jsonl``."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
+class TrainLog:
+    """Training metrics of the last ``logging.interval`` steps: loss (steps not skipped), tokens/s per
+    device, MFU, memory. Every interval (and at the last step) one record goes to the metrics log,
+    to the progress bar, and, without a bar (a log file under SLURM), one console line."""
+
+    def __init__(self, metrics: MetricsLog, interval: int, max_steps: int, first_step: int, world_size: int,
+                 flops_per_token: float, peak_flops: Optional[float], device: Any, bar: Any, console: bool) -> None:
+        import time
+
+        self.metrics, self.interval, self.max_steps, self.world_size = metrics, interval, max_steps, world_size
+        self.flops_per_token, self.peak_flops, self.device, self.bar, self.console = (
+            flops_per_token, peak_flops, device, bar, console)
+        self.first_step, self.started = first_step, time.time()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss, self.steps, self.seconds, self.tokens = 0.0, 0, 0.0, 0
+
+    def add(self, loss: float, skipped: bool, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        if not skipped:
+            self.loss += loss
+            self.steps += 1
+
+    def maybe_log(self, step: int, total_tokens: int, lr: float, grad_norm: float, skipped_steps: int) -> None:
+        import time
+
+        import torch
+
+        if step % self.interval and step != self.max_steps:
+            return
+        tps = self.tokens / max(self.seconds, 1e-9) / self.world_size
+        loss = self.loss / self.steps if self.steps else float("nan")
+        record: dict[str, Any] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)) if self.steps else float("nan"),
+                                  "lr": lr, "grad_norm": grad_norm, "tokens": total_tokens,
+                                  "tokens_per_sec_per_device": tps, "skipped_steps": skipped_steps,
+                                  "step_time": self.seconds / max(1, self.interval)}
+        mfu = model_flops_utilization(self.flops_per_token, tps, self.peak_flops)
+        if mfu is not None:
+            record["mfu"] = mfu
+        if self.device.type == "cuda":
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.metrics.log(step, record)
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
+        if self.console:
+            import logging
+
+            per_step = (time.time() - self.started) / max(step - self.first_step, 1)
+            logging.getLogger("gdn2.train").info(
+                "step %d/%d loss %.4f lr %.3e grad norm %.3f %s tokens/s/device%s, ETA %s", step, self.max_steps,
+                loss, lr, grad_norm, f"{tps:,.0f}", f" MFU {mfu:.1%}" if mfu is not None else "",
+                format_seconds(per_step * (self.max_steps - step)))
+        self._reset()

@@ -1,6 +1,6 @@
 """The training recipe: every non-model section of a named config, CLI overrides, the derived plan.
 
-A named config (``configs/<name>.yaml``) holds the ``model`` section (``gdn2.config.Config``) and the
+A named config (``gdn2/configs/<name>.yaml``) holds the ``model`` section (``gdn2.config.Config``) and the
 sections below, one dataclass each. ``--section.key value`` on the command line overrides one key.
 Everything is validated before any work starts; errors name the offending key.
 """
@@ -73,8 +73,8 @@ class DataConfig:
     num_workers: int = _opt(2, "data-loader worker processes per rank")
     document_masking: bool = _opt(False, "restart GDN-2 state, conv and attention at every EOS (cu_seqlens)")
     eos_id: int = _opt(2, "end-of-document token id")
-    prepare_default: bool = _opt(False, "when data/default holds no shards, build the built-in corpus "
-                                        "first (data_prep/default_corpus.py)")
+    prepare_default: bool = _opt(False, "when the built-in corpus's folder data/default holds no shards, build "
+                                        "it first (python -m gdn2 corpus); no other folder is ever built")
 
 
 @dataclass
@@ -90,11 +90,13 @@ class EvalConfig:
 @dataclass
 class LmEvalConfig:
     interval: int = _opt(0, "run lm-eval tasks every this many optimizer steps; 0: never")
-    tasks: list[str] = _opt(["gdn2_local"], "lm-eval task or group names (eval/tasks holds offline ones)")
+    tasks: list[str] = _opt(["gdn2_local"], "lm-eval task or group names (gdn2_local: offline tasks shipped "
+                                            "with gdn2)")
     limit: Optional[float] = _opt(None, "examples per task: an integer count, or a fraction below 1; "
                                         "null: all")
     batch_size: int = _opt(8, "sequences per scoring batch")
-    include_path: Optional[str] = _opt("eval/tasks", "folder of extra task YAMLs; null: lm-eval's own only")
+    include_path: Optional[str] = _opt(None, "folder of extra task YAMLs (lm-eval's and gdn2's own are always "
+                                             "available)")
     tokenizer: Optional[str] = _opt(None, "SentencePiece model; null: tokenizer.model of the training data")
     at_end: bool = _opt(False, "also run them after the last step")
 
@@ -134,14 +136,6 @@ class DistributedConfig:
     timeout_minutes: int = _opt(30, "collective-communication timeout")
 
 
-@dataclass
-class DebugConfig:
-    nonfinite_loss_at_steps: list[int] = _opt([], "make the loss NaN at these optimizer steps (1 = the first; "
-                                                  "tests the skip path)")
-    crash_in_checkpoint_at_step: Optional[int] = _opt(None, "kill the process midway through writing this "
-                                                            "step's checkpoint (tests atomic saves)")
-
-
 SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "optimizer": OptimizerConfig,
@@ -151,7 +145,6 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
-    "debug": DebugConfig,
 }
 
 _CHOICES = {
@@ -183,7 +176,6 @@ class Recipe:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     distributed: DistributedConfig
-    debug: DebugConfig
     out_dir: str
 
     @property
@@ -373,7 +365,7 @@ def section_fields(section: str) -> dict[str, dataclasses.Field]:
 
 
 def load_recipe(config: str, overrides: Optional[dict[str, str]] = None, out_dir: Optional[str] = None) -> Recipe:
-    """Read ``configs/<config>.yaml`` (or a YAML path) and apply ``--section.key`` text overrides.
+    """Read the named config ``<config>`` (or a YAML path) and apply ``--section.key`` text overrides.
 
     ``overrides`` maps ``"section.key"`` to the text given on the command line. Raises ValueError naming
     the key for an unknown section or key, a value of the wrong type or out of range.

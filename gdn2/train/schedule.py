@@ -1,4 +1,5 @@
-"""Learning-rate schedule, counted in optimizer steps."""
+"""Schedules counted in optimizer steps: the learning rate, and when a periodic job (validation,
+lm-eval, checkpoint) runs."""
 
 from __future__ import annotations
 
@@ -25,3 +26,12 @@ def cosine_with_warmup(step: int, max_lr: float, warmup_steps: int, total_steps:
     decay_steps = total_steps - warmup_steps
     progress = (step - warmup_steps) / decay_steps
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def due(interval: int, at_end: bool, step: int, max_steps: int, end: bool) -> bool:
+    """The schedule of every periodic job: every ``interval`` steps during training (``interval`` 0:
+    never), leaving the last step to the end-of-training run when ``at_end`` is on; at the end
+    (``end``), when ``at_end``."""
+    if end:
+        return at_end
+    return bool(interval) and step % interval == 0 and not (step == max_steps and at_end)

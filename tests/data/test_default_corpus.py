@@ -5,7 +5,7 @@ import os
 
 import sentencepiece as spm
 
-from data_prep.default_corpus import build_default_corpus, stdlib_sources
+from gdn2.data.default_corpus import build_default_corpus, stdlib_sources
 from gdn2.data import TrainLoader, ValLoader
 
 

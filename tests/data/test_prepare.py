@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-import data_prep.prepare as prep
+import gdn2.data.prepare as prep
 from gdn2.data import PackedShardReader, TrainLoader, ValLoader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_resume_after_sigkill_of_the_cli(tokenizer_model, sp, tmp_path, make_doc
     inputs.mkdir()
     for i in range(4):
         write_fineweb_parquet(inputs / f"p{i}.parquet", documents[100 * i:100 * (i + 1)], row_group_size=4)
-    command = [sys.executable, str(ROOT / "data_prep" / "prepare.py"), "--input", str(inputs / "*.parquet"),
+    command = [sys.executable, "-m", "gdn2", "prepare", "--input", str(inputs / "*.parquet"),
                "--tokenizer", str(tokenizer_model), "--output", str(tmp_path / "out"), "--workers", "2",
                "--val-fraction", str(VAL_FRACTION), "--shard-tokens", str(SHARD_TOKENS), "--quiet"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -294,7 +294,7 @@ def test_finished_output_is_a_no_op_and_other_jobs_are_refused(corpus, tokenizer
 
 def test_cli_round_trip_and_exit_status(corpus, tokenizer_model, tmp_path):
     root, _ = corpus
-    command = [sys.executable, str(ROOT / "data_prep" / "prepare.py"), "--input", str(root / "part_1.parquet"),
+    command = [sys.executable, "-m", "gdn2", "prepare", "--input", str(root / "part_1.parquet"),
                "--tokenizer", str(tokenizer_model), "--output", str(tmp_path), "--workers", "1",
                "--shard-tokens", "500", "--time-limit", "0"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -361,9 +361,9 @@ def test_val_input_goes_only_to_validation(corpus, tokenizer_model, sp, tmp_path
     assert manifest["settings"]["val_fraction"] == 0.0
     assert [(Path(i["path"]).name, i["split"]) for i in manifest["inputs"]] == [("train.jsonl", "train"),
                                                                               ("heldout.jsonl.zst", "val")]
-    with pytest.raises(ValueError, match=r"train\.jsonl: matched by both --input and --val-input"):
+    with pytest.raises(ValueError, match=r"train\.jsonl: matched by both --input and --val_input"):
         prep.prepare([str(tmp_path / "*.jsonl")], tokenizer_model, tmp_path / "o2", progress=False,
                      val_inputs=[str(tmp_path / "train.jsonl")])
-    with pytest.raises(FileNotFoundError, match="--val-input: no files match"):
+    with pytest.raises(FileNotFoundError, match="--val_input: no files match"):
         prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "o3", progress=False,
                      val_inputs=[str(tmp_path / "missing*.jsonl")])

@@ -10,7 +10,7 @@ import sentencepiece as spm
 import zstandard
 from sentencepiece import sentencepiece_model_pb2
 
-from data_prep.train_tokenizer import sample_sentences, split_long_line, train_tokenizer
+from gdn2.data.train_tokenizer import sample_sentences, split_long_line, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ def test_cli_reads_parquet_jsonl_zst_and_text(tmp_path, make_documents, write_fi
             f.write((json.dumps({"text": text}) + "\n").encode())
     (tmp_path / "c.txt").write_text("\n".join(documents[40:]))
     result = subprocess.run(
-        [sys.executable, str(ROOT / "data_prep" / "train_tokenizer.py"), "--input", str(tmp_path / "a.parquet"),
+        [sys.executable, "-m", "gdn2", "tokenizer", "--input", str(tmp_path / "a.parquet"),
          "--input", str(tmp_path / "b.jsonl.zst"), "--input", str(tmp_path / "c.txt"), "--vocab-size", "400",
          "--output", str(tmp_path / "out" / "tok.model"), "--max-sentences", "1000", "--seed", "1"],
         capture_output=True, text=True, cwd=tmp_path)
@@ -121,5 +121,5 @@ def test_cli_reads_parquet_jsonl_zst_and_text(tmp_path, make_documents, write_fi
 
 def test_too_small_vocabulary_is_a_clear_error(tmp_path):
     sentences = [f"{chr(0x4E00 + i)} common words" for i in range(300)]  # 300 distinct characters
-    with pytest.raises(ValueError, match="--vocab-size 300"):
+    with pytest.raises(ValueError, match="--vocab_size 300"):
         train_tokenizer(sentences, tmp_path / "tok.model", vocab_size=300)

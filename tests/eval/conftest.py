@@ -11,7 +11,7 @@ from gdn2.config import Config
 from gdn2.model import GPT
 
 ROOT = Path(__file__).resolve().parents[2]
-TASK_DATA = ROOT / "eval" / "tasks" / "gdn2_local" / "data"
+TASK_DATA = ROOT / "gdn2" / "evaluation" / "tasks" / "gdn2_local" / "data"
 MAX_LENGTH = 48  # block_size of the test model: short, so rolling windows and truncation happen
 
 

@@ -1,22 +1,18 @@
-"""eval/compare.py on real tiny training runs: the table holds each run's own final numbers, seeds are
+"""gdn2 compare on real tiny training runs: the table holds each run's own final numbers, seeds are
 summarised, the picture is written, and runs that cannot be compared are refused by name."""
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-from data_prep.prepare import prepare
-from data_prep.train_tokenizer import sample_sentences, train_tokenizer
+from gdn2.data.prepare import prepare
+from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "eval"))
-import compare  # noqa: E402
+from gdn2.evaluation import compare
 
 WORDS = "the a of state gate decay memory token model learns slowly quickly with and or to in".split()
 

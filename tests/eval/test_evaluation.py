@@ -15,7 +15,7 @@ from gdn2.generate import load_model
 from gdn2.model import GPT
 from decode_helpers import greedy_by_full_forward
 
-from .conftest import MAX_LENGTH, ROOT
+from .conftest import MAX_LENGTH, TASK_DATA
 
 
 def _requests(kind, args_list):
@@ -33,7 +33,7 @@ def _direct_logprob(model, ids, n_cont):
 
 
 LONG_CONTEXT = " ".join(json.loads(line)["text"] for line in
-                        (ROOT / "eval/tasks/gdn2_local/data/ppl.jsonl").read_text().splitlines()[:2])
+                        (TASK_DATA / "ppl.jsonl").read_text().splitlines()[:2])
 
 
 def test_loglikelihood_equals_sum_of_token_logprobs(lm, artifacts):
@@ -133,21 +133,36 @@ def test_simple_evaluate_runs_local_tasks_offline(artifacts):
     assert results["n-samples"]["gdn2_local_mc"]["effective"] == 4
 
 
-def test_eval_run_writes_json_and_markdown(artifacts, tmp_path):
-    import importlib.util
+def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
+    from gdn2.evaluation import run
 
     folder, _, _ = artifacts
-    spec = importlib.util.spec_from_file_location("eval_run", ROOT / "eval" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    for step in (7, 9):
+        (tmp_path / f"step{step}").mkdir()
+        shutil.copy(folder / "tokenizer.model", tmp_path / f"step{step}")
+        torch.save(dict(torch.load(folder / "model.pt", weights_only=False), step=step),
+                   tmp_path / f"step{step}" / "model.pt")
     out = tmp_path / "out"
-    assert run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "gdn2_local_mc,gdn2_local_ppl",
-                     "--limit", "3", "--batch_size", "4", "--device", "cpu", "--output", str(out)]) == 0
-    record = json.loads((out / "results.json").read_text())
-    assert set(record["summary"]) >= {"gdn2_local_mc/acc", "gdn2_local_ppl/word_perplexity"}
-    assert record["config"]["vocab_size"] == 512 and record["limit"] == 3
-    table = (out / "results.md").read_text()
+    common = ["--limit", "3", "--batch_size", "4", "--device", "cpu", "--output", str(out)]
+    for step, tasks in ((7, "gdn2_local_mc"), (7, "gdn2_local_ppl"), (9, "gdn2_local_mc")):
+        assert run.main(["--checkpoint", str(tmp_path / f"step{step}" / "model.pt"), "--tasks", tasks, *common]) == 0
+    seven = json.loads((out / "results-step-000000007.json").read_text())
+    assert seven["step"] == 7 and seven["tasks"] == ["gdn2_local_mc", "gdn2_local_ppl"]  # the second run added
+    assert set(seven["summary"]) >= {"gdn2_local_mc/acc", "gdn2_local_ppl/word_perplexity"}
+    assert seven["config"]["vocab_size"] == 512 and seven["limit"] == 3
+    table = (out / "results-step-000000007.md").read_text()
+    assert "step 7" in table.splitlines()[0]
     assert "| gdn2_local_mc | acc |" in table and "| gdn2_local_ppl | word_perplexity |" in table
+    nine = json.loads((out / "results-step-000000009.json").read_text())
+    assert nine["step"] == 9 and set(nine["summary"]) == {k for k in seven["summary"] if k.startswith("gdn2_local_mc/")}
+    with pytest.raises(ValueError, match="--tasks: unknown task.*no_such_task"):
+        run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "no_such_task", *common])
+
+
+def test_local_tasks_known_to_every_task_manager():
+    from lm_eval.tasks import TaskManager
+
+    assert {"gdn2_local", "gdn2_local_mc"} <= set(TaskManager(include_defaults=False).all_tasks)
 
 
 def test_summary_average_follows_reference():
@@ -164,12 +179,14 @@ def test_summary_average_follows_reference():
     assert "avg" not in summarize({"results": metrics})
 
 
-def test_evaluate_model_in_process(artifacts):
+def test_evaluate_model_in_process(artifacts, caplog):
     folder, tok, cfg = artifacts
     model = load_model(folder / "model.pt", device="cpu", dtype="float32").model.train()
-    scores = evaluate_model(model, tok, ["gdn2_local_lambada"], limit=3, batch_size=2)
+    with caplog.at_level("WARNING"):
+        scores = evaluate_model(model, tok, ["gdn2_local_lambada"], limit=3, batch_size=2)
     assert set(scores) == {"gdn2_local_lambada/acc", "gdn2_local_lambada/perplexity"}
     assert model.training  # given back in the mode it came in
+    assert "Custom kwargs" not in caplog.text  # lm-eval's advice about task kwargs our tasks do not take
 
 
 def test_checkpoint_folder_with_run_config_and_bare_state_dict(artifacts, tmp_path):

@@ -9,6 +9,7 @@ import yaml
 
 from gdn2.config import Config
 from gdn2.model import GPT
+import gdn2.train.checkpoint as checkpoint
 from gdn2.train.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
                                    prune_checkpoints, resolve_resume, save_checkpoint)
 from train_helpers import MICRO_MODEL
@@ -63,16 +64,18 @@ def test_save_load_roundtrip_and_resume_resolution(tmp_path):
         torch.testing.assert_close(v, expected[k], rtol=0, atol=0)
 
 
-def test_crash_inside_save_keeps_the_previous_checkpoint(tmp_path):
+def test_crash_inside_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     fabric, model, optimizer = make_fabric_model()
     root = tmp_path / "ckpt"
     good = save(fabric, model, optimizer, root, 5)
 
-    def crash():
+    def crash(path, marker):
         raise Boom("disk went away")
 
+    monkeypatch.setattr(checkpoint, "write_marker", crash)
     with pytest.raises(Boom):
-        save(fabric, model, optimizer, root, 10, before_commit=crash)
+        save(fabric, model, optimizer, root, 10)
+    monkeypatch.undo()
     assert (root / ".step-000000010.tmp").is_dir()  # the half-written one stays under its temporary name
     assert resolve_resume("auto", root) == good
     with pytest.raises(ValueError, match="no complete checkpoint"):

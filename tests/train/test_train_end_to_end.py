@@ -11,16 +11,14 @@ import time
 import pytest
 import torch
 
+import gdn2.train.loop as loop
 from gdn2.config import Config
 from gdn2.model import GPT
-from gdn2.train.checkpoint import list_checkpoints, read_marker
+from gdn2.train.checkpoint import consolidate_main, list_checkpoints, read_marker
 from gdn2.train.loop import NonFiniteLossError, fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
 from train_helpers import ROOT, micro_config, run_main
-
-sys.path.insert(0, str(ROOT / "pretrain"))
-import consolidate  # noqa: E402
 
 
 def train_losses(out_dir):
@@ -54,10 +52,11 @@ def test_cli_trains_and_the_loss_falls(corpus, tmp_path):
     assert load_recipe(str(out / "config.yaml")).train.max_steps == 24  # the resolved config is usable
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [12, 24]
 
-    # consolidation: one model.pt that evaluation can load
-    assert consolidate.main([str(out / "checkpoints"), "--output", str(tmp_path / "model.pt")]) == 0
-    d = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert d["step"] == 24
+    # consolidation: one model.pt that evaluation can load, outside checkpoint rotation, config beside it
+    assert consolidate_main([str(out / "checkpoints")]) == 0
+    d = torch.load(out / "final" / "model.pt", weights_only=False)
+    assert d["step"] == 24 and (out / "final" / "config.yaml").read_text() == (
+        out / "checkpoints" / "step-000000024" / "config.yaml").read_text()
     model = GPT(Config.from_dict(d["config"]))
     model.load_state_dict(d["model"])
 
@@ -95,10 +94,28 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
         run_fit(cfg, tmp_path / "split")
 
 
+# The trainer killed (like kill -9) after writing step 4's data and before its marker.
+CRASH_IN_SAVE = """
+import os, sys
+import gdn2.train.checkpoint as checkpoint
+from gdn2.commandline import run
+from gdn2.train.cli import main
+
+write_marker = checkpoint.write_marker
+def crash(path, marker):
+    if marker["step"] == 4:
+        os._exit(17)
+    write_marker(path, marker)
+checkpoint.write_marker = crash
+sys.exit(run(main, sys.argv[1:], "pretrain"))
+"""
+
+
 def test_crash_mid_save_keeps_the_last_good_checkpoint(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6), checkpoint=dict(interval=2))
     out = tmp_path / "run"
-    proc = run_main(["--config", str(cfg), "--out_dir", str(out), "--debug.crash_in_checkpoint_at_step", "4"])
+    proc = subprocess.run([sys.executable, "-c", CRASH_IN_SAVE, "--config", str(cfg), "--out_dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stderr[-3000:]  # killed inside the save of step 4
     ckpts = out / "checkpoints"
     assert [s for s, _ in list_checkpoints(ckpts)] == [2]
@@ -152,10 +169,25 @@ def test_slurm_signal_saves_requeues_and_resumes(corpus, tmp_path):
     assert sorted(train_losses(out)) == list(range(1, step + 3))
 
 
-def test_nonfinite_loss_skips_the_step(corpus, tmp_path):
-    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=5), checkpoint=dict(interval=1, keep_last=10),
-                       debug=dict(nonfinite_loss_at_steps=[3]))
+def nan_loss_at(monkeypatch, steps, accumulation=2):
+    """Make the training loss NaN at these optimizer steps (1 = the first of this process)."""
+    real, calls = loop.forward_loss, [0]
+
+    def forward_loss(model, batch, chunk_tokens):
+        loss = real(model, batch, chunk_tokens)
+        if not model.training:
+            return loss
+        calls[0] += 1
+        return loss * float("nan") if (calls[0] - 1) // accumulation + 1 in steps else loss
+
+    monkeypatch.setattr(loop, "forward_loss", forward_loss)
+
+
+def test_nonfinite_loss_skips_the_step(corpus, tmp_path, monkeypatch):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=5), checkpoint=dict(interval=1, keep_last=10))
+    nan_loss_at(monkeypatch, {3})
     assert run_fit(cfg, tmp_path / "run", **{"train.stop_at_step": 3}).step == 3  # a stop saves right after it
+    monkeypatch.undo()
     result = run_fit(cfg, tmp_path / "run", resume="auto")
     assert result.step == 5
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -175,9 +207,10 @@ def test_nonfinite_loss_skips_the_step(corpus, tmp_path):
     assert s4["trainer"]["skipped_steps"] == 1
 
 
-def test_too_many_nonfinite_steps_stop_with_a_clear_error(corpus, tmp_path):
+def test_too_many_nonfinite_steps_stop_with_a_clear_error(corpus, tmp_path, monkeypatch):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=8, max_consecutive_nonfinite=2),
-                       checkpoint=dict(interval=2), debug=dict(nonfinite_loss_at_steps=[3, 4, 5, 6]))
+                       checkpoint=dict(interval=2))
+    nan_loss_at(monkeypatch, {3, 4, 5, 6})
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*step-000000002"):
         run_fit(cfg, tmp_path / "run")
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]  # the last good one

@@ -1,15 +1,13 @@
 """Recipe loading, CLI parsing and validation: every error names the key, before any work starts."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gdn2.commandline import run
+from gdn2.train import cli
 from gdn2.train.recipe import load_recipe, make_plan, parse_text_value
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pretrain"))
-import main as cli  # noqa: E402
 
 
 def test_reference_recipe_of_the_1_3B_configs():
@@ -58,7 +56,7 @@ def test_bad_overrides_name_the_key(overrides, key):
 
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
-    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "configs" / "swa_gdn2_tiny.yaml"))
+    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "gdn2" / "configs" / "swa_gdn2_tiny.yaml"))
     data["train"]["learning_rate"] = 1.0
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -72,7 +70,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
 
 
 def test_yaml_numbers_written_as_text_are_numbers(tmp_path):
-    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "configs" / "swa_gdn2_tiny.yaml"))
+    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "gdn2" / "configs" / "swa_gdn2_tiny.yaml"))
     data["optimizer"]["lr"] = "4e-4"  # PyYAML reads 4e-4 (no dot) as a string
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -126,5 +124,6 @@ def test_cli_help_lists_every_option(capsys):
     (["--train.max_steps", "1"], "--config is required"),
 ])
 def test_cli_errors_exit_2_naming_the_problem(argv, needle, capsys):
-    assert cli.main(argv) == 2
-    assert needle in capsys.readouterr().err
+    assert run(cli.main, argv, "pretrain") == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,8 +1,8 @@
 """Tokenise a corpus into packed shards (lit-gpt ``LITPKDS`` format), in parallel and resumably.
 
-    python data_prep/prepare.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
+    python -m gdn2 prepare --input 'fineweb-edu/sample/10BT/*.parquet' \\
         --tokenizer tokenizer.model --output data/fineweb-edu-10BT [--workers N] \\
-        [--val-input 'heldout/*.jsonl.zst' | --val-fraction 0.0005] [--shard-tokens 134217728]
+        [--val_input 'heldout/*.jsonl.zst' | --val_fraction 0.0005] [--shard_tokens 134217728]
 
 Inputs: parquet files (column ``text``, read one record batch at a time) and JSON-lines files
 (``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` or ``.gz``; key ``text``).
@@ -14,9 +14,9 @@ A document goes to validation when the first 8 bytes of blake2b(its UTF-8 text),
 little-endian integer, fall below ``val_fraction * 2**64``: the split depends on the text alone,
 so duplicates land on the same side and reruns agree.
 
-Validation. ``--val-input`` names held-out files: every document of theirs goes to ``val_*.bin`` and
-none to training (the manifest records each input's split). With ``--val-input`` the hash split of
-``--input`` is off unless ``--val-fraction`` is given too.
+Validation. ``--val_input`` names held-out files: every document of theirs goes to ``val_*.bin`` and
+none to training (the manifest records each input's split). With ``--val_input`` the hash split of
+``--input`` is off unless ``--val_fraction`` is given too.
 
 Determinism and resumption. The inputs are cut into *work units* in a fixed order: at most 4096
 rows of a parquet row group, or about 4 MiB of JSON-lines / text (a byte range of a plain file;
@@ -26,7 +26,7 @@ So every worker has work and the progress bar moves every few seconds whatever t
 sizes. Workers tokenise units in parallel into temporary files; the main process appends them to the shards strictly in
 unit order and, after each unit, syncs the files and atomically rewrites a journal
 (``.prepare_journal.json``: units done, shards finished, tokens in the open shard, counters).
-Rerunning the same command after a crash, a kill or ``--time-limit`` truncates the open shard to the
+Rerunning the same command after a crash, a kill or ``--time_limit`` truncates the open shard to the
 journal and continues with the next unit: the result is byte-identical to an uninterrupted run,
 whatever ``--workers`` is. A finished output (``manifest.json`` present) makes a rerun a no-op.
 """
@@ -51,9 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-if __package__ in (None, ""):  # run as a script: make `import gdn2` / `import data_prep` work from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, pack_header, read_header, token_dtype_for_vocab
 from gdn2.durable import fsync_dir
@@ -133,7 +130,7 @@ class WorkUnit:
     counts from the start of the file). Uncompressed JSON-lines / text: the lines whose first byte
     lies in ``[start, end)``. Compressed: the whole lines in ``[start, end)`` of the decompressed
     stream (``first_row`` is the line number of the first), or the whole file when ``end == -1``.
-    ``split`` is ``"val"`` for a ``--val-input`` file, None when the hash decides.
+    ``split`` is ``"val"`` for a ``--val_input`` file, None when the hash decides.
     """
 
     path: str
@@ -697,15 +694,15 @@ def plan_job(inputs: Sequence[str], tokenizer: str | os.PathLike, val_fraction: 
     if val_fraction is None:
         val_fraction = 0.0 if val_inputs else 0.0005
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise ValueError(f"--val_fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+        raise ValueError(f"--shard_tokens must be >= 1, got {shard_tokens}")
     tokenizer_info = load_tokenizer_info(Path(tokenizer).resolve(), dtype)
     train_paths = expand_inputs(inputs)
-    val_paths = expand_inputs(val_inputs, flag="--val-input") if val_inputs else []
+    val_paths = expand_inputs(val_inputs, flag="--val_input") if val_inputs else []
     both = sorted(set(train_paths) & set(val_paths))
     if both:
-        raise ValueError(f"{both[0]}: matched by both --input and --val-input; a held-out file must not "
+        raise ValueError(f"{both[0]}: matched by both --input and --val_input; a held-out file must not "
                          "also be trained on")
     units: list[WorkUnit] = []
     input_info = []
@@ -720,7 +717,7 @@ def plan_job(inputs: Sequence[str], tokenizer: str | os.PathLike, val_fraction: 
                 "dtype": tokenizer_info["dtype"], "text_key": text_key, "bos": False, "eos": True,
                 "jsonl_unit_bytes": JSONL_UNIT_BYTES, "parquet_unit_rows": PARQUET_UNIT_ROWS,
                 "split": "validation iff blake2b(text, digest_size=8) as little-endian uint64 < val_fraction * 2**64; "
-                         "every document of a --val-input file"}
+                         "every document of a --val_input file"}
     return Plan(units, input_info, tokenizer_info, settings, _fingerprint(input_info, tokenizer_info, settings))
 
 
@@ -848,7 +845,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
                 rate = tokens_this_run / max(time.monotonic() - started, 1e-9)
                 bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s, {stats['tokens']['train'] / 1e9:.3f}B train tokens")
             if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(plan.units):
-                print(f"{output}: stopped after {index + 1} of {len(plan.units)} work units (--time-limit); "
+                print(f"{output}: stopped after {index + 1} of {len(plan.units)} work units (--time_limit); "
                       "rerun the same command to continue", file=sys.stderr)
                 return None
 
@@ -896,20 +893,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="parquet / jsonl[.zst|.gz] file or glob (quote it); repeatable, order kept")
-    parser.add_argument("--val-input", action="append", default=[],
+    parser.add_argument("--val_input", action="append", default=[],
                         help="held-out file or glob, repeatable: all its documents go to val_*.bin, none to "
-                             "training (then --val-fraction defaults to 0)")
+                             "training (then --val_fraction defaults to 0)")
     parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
     parser.add_argument("--output", required=True, help="output directory for shards and manifest.json")
     parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
-    parser.add_argument("--val-fraction", type=float, default=None,
+    parser.add_argument("--val_fraction", type=float, default=None,
                         help="share of --input documents for validation, chosen by a hash of the text "
-                             "(default 0.0005; 0 with --val-input)")
-    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 2**27)")
+                             "(default 0.0005; 0 with --val_input)")
+    parser.add_argument("--shard_tokens", type=int, default=1 << 27, help="tokens per shard (default 2**27)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "uint8", "uint16", "int32", "int64"],
                         help="token type (auto: uint16 below 65500 pieces, else int32)")
-    parser.add_argument("--text-key", default="text", help="parquet column / JSON key holding the text")
-    parser.add_argument("--time-limit", type=float, default=None,
+    parser.add_argument("--text_key", default="text", help="parquet column / JSON key holding the text")
+    parser.add_argument("--time_limit", type=float, default=None,
                         help="stop cleanly after this many seconds (exit status 3); rerun to continue")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete shards, journal and manifest already in --output first")

@@ -1,7 +1,7 @@
 """Train a SentencePiece BPE tokenizer with the Llama-2 settings.
 
-    python data_prep/train_tokenizer.py --input 'fineweb-edu/sample/10BT/*.parquet' \\
-        --vocab-size 32000 --output tokenizer.model [--newlines pieces|bytes] [--seed 3407]
+    python -m gdn2 tokenizer --input 'fineweb-edu/sample/10BT/*.parquet' \\
+        --vocab_size 32000 --output tokenizer.model [--newlines pieces|bytes] [--seed 3407]
 
 Writes ``tokenizer.model`` and ``tokenizer.vocab``. Inputs: parquet (column ``text``), JSON lines
 (``.jsonl`` / ``.json`` / ``.ndjson``, optionally ``.zst`` / ``.gz``; key ``text``) and text files
@@ -12,7 +12,7 @@ documents, newlines included.
 
 - ``pieces`` (the default): ``"\n"`` and ``"\n\n"`` are pieces of their own (user-defined symbols:
   always one token, never merged with the text beside them), and the trainer sees documents, cut into
-  pieces of at most ``--max-sentence-length`` bytes (after a newline where one lies in the second half
+  pieces of at most ``--max_sentence_length`` bytes (after a newline where one lies in the second half
   of the window, else at a space). A paragraph break is one token, and the pieces that follow a
   newline are learned as they occur in the encoded documents.
 - ``bytes``: Llama-2's behaviour. The trainer sees lines, so no piece holds a newline: every ``"\n"``
@@ -24,10 +24,10 @@ of its files, scored on its held-out file) ``bytes`` spends 4.75% of all tokens 
 
 Sampling, streamed (nothing is loaded whole): the inputs' work units (parquet row groups, byte
 ranges or whole compressed files, as in ``prepare.py``) are visited in an order shuffled from
-``--seed``, until ``--max-documents`` documents have been read; their sentences (document pieces, or
-lines with ``--newlines bytes``) go through a reservoir of ``--max-sentences``, which is what the
+``--seed``, until ``--max_documents`` documents have been read; their sentences (document pieces, or
+lines with ``--newlines bytes``) go through a reservoir of ``--max_sentences``, which is what the
 trainer sees (default 500,000 document pieces, about 2 GB of text at most, or 2,000,000 lines).
-Sentences longer than ``--max-sentence-length`` bytes are cut rather than dropped, as SentencePiece
+Sentences longer than ``--max_sentence_length`` bytes are cut rather than dropped, as SentencePiece
 would drop them.
 
 Settings (Llama-2's ``trainer_spec`` / ``normalizer_spec``): BPE; byte fallback (no unknown
@@ -49,10 +49,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `import data_prep` work from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data_prep.prepare import Skipped, expand_inputs, plan_units, read_documents
+from gdn2.data.prepare import Skipped, expand_inputs, plan_units, read_documents
 
 LLAMA2_SETTINGS = dict(
     model_type="bpe",
@@ -119,7 +116,7 @@ def sample_sentences(patterns: Sequence[str], max_sentences: int, max_documents:
     if newlines not in NEWLINE_MODES:
         raise ValueError(f"--newlines must be one of {', '.join(NEWLINE_MODES)}, got {newlines!r}")
     if max_sentences < 1:
-        raise ValueError(f"--max-sentences must be >= 1, got {max_sentences}")
+        raise ValueError(f"--max_sentences must be >= 1, got {max_sentences}")
     paths = expand_inputs(patterns, kinds=("parquet", "jsonl", "text"))
     units = [unit for path in paths for unit in plan_units(path, text_key, split_compressed=False)]
     rng = random.Random(seed)
@@ -173,7 +170,7 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
     if output.suffix != ".model":
         raise ValueError(f"--output must end in .model, got {output}")
     if vocab_size < 260:
-        raise ValueError(f"--vocab-size must be at least 260 (3 special + 256 byte pieces + 1), got {vocab_size}")
+        raise ValueError(f"--vocab_size must be at least 260 (3 special + 256 byte pieces + 1), got {vocab_size}")
     output.parent.mkdir(parents=True, exist_ok=True)
     spm.set_random_generator_seed(seed)
     # A fixed scratch name: SentencePiece records the prefix inside the model, and a random temporary
@@ -199,7 +196,7 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
             )
         except RuntimeError as error:
             if "required_chars" in str(error) or "Vocabulary size" in str(error):
-                raise ValueError(f"--vocab-size {vocab_size} is too small for this text: {error}") from error
+                raise ValueError(f"--vocab_size {vocab_size} is too small for this text: {error}") from error
             raise
         os.replace(prefix + ".vocab", output.with_suffix(".vocab"))
         os.replace(prefix + ".model", output)
@@ -213,21 +210,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="parquet / jsonl[.zst|.gz] / txt file or glob (quote it); repeatable")
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--vocab_size", type=int, default=32000)
     parser.add_argument("--output", required=True, help="PATH.model (PATH.vocab is written beside it)")
     parser.add_argument("--newlines", choices=NEWLINE_MODES, default="pieces",
                         help="pieces: '\\n' and '\\n\\n' are tokens of their own and the trainer sees documents "
                              "(default); bytes: Llama-2's line-by-line training, newlines by byte fallback")
-    parser.add_argument("--max-sentences", type=int, default=None,
+    parser.add_argument("--max_sentences", type=int, default=None,
                         help="sentences given to the trainer (default 500000 document pieces, or 2000000 lines "
                              "with --newlines bytes)")
-    parser.add_argument("--max-documents", type=int, default=1_000_000,
+    parser.add_argument("--max_documents", type=int, default=1_000_000,
                         help="stop reading after this many documents (0: read everything)")
     parser.add_argument("--seed", type=int, default=3407)
-    parser.add_argument("--character-coverage", type=float, default=DEFAULT_CHARACTER_COVERAGE)
-    parser.add_argument("--max-sentence-length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
+    parser.add_argument("--character_coverage", type=float, default=DEFAULT_CHARACTER_COVERAGE)
+    parser.add_argument("--max_sentence_length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
                         help="bytes; longer lines are cut")
-    parser.add_argument("--text-key", default="text", help="parquet column / JSON key holding the text")
+    parser.add_argument("--text_key", default="text", help="parquet column / JSON key holding the text")
     parser.add_argument("--threads", type=int, default=None, help="trainer threads (default: all cores)")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
     args = parser.parse_args(argv)

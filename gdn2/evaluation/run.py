@@ -1,16 +1,18 @@
 """Evaluate a checkpoint with the lm-eval harness; write results as JSON and as a Markdown table.
 
-    python eval/run.py --checkpoint out/run/final.pt \\
+    python -m gdn2 eval --checkpoint out/run/final/model.pt \\
         --tasks wikitext,lambada_openai,piqa,hellaswag,winogrande,arc_easy,arc_challenge,openbookqa,social_iqa,boolq \\
-        [--limit N] [--include_path eval/tasks] [--batch_size 32] [--output DIR]
+        [--limit N] [--include_path my_tasks/] [--batch_size 32] [--output DIR]
 
-    python eval/run.py --checkpoint out/run/final.pt --tasks gdn2_local     # offline smoke run
+    python -m gdn2 eval --checkpoint out/run/checkpoints --tasks gdn2_local     # offline local tasks
 
-Writes ``DIR/results.json`` (summary, lm-eval's per-task results and configuration) and
-``DIR/results.md`` (the paper-style row of REFERENCE.md section 4, then every metric). The average is
-that of the paper: LAMBADA acc and eight reasoning accuracies (acc_norm for HellaSwag, ARC-Challenge
-and OpenBookQA); it is reported only when all nine tasks ran. ``--limit`` results are not comparable
-with the paper's.
+Writes ``DIR/results-step-<N>.json`` (the checkpoint and the step it holds, summary, lm-eval's
+per-task results and configuration) and ``DIR/results-step-<N>.md`` (the paper's row, then every
+metric), ``N`` being the training step of the checkpoint scored, so runs on other checkpoints never
+overwrite each other; tasks scored again on the same step replace their earlier results, other tasks
+are kept. The average is the paper's: LAMBADA acc and eight reasoning accuracies (acc_norm for
+HellaSwag, ARC-Challenge and OpenBookQA), reported only when all nine tasks ran. ``--limit`` results
+are not comparable with the paper's.
 """
 
 from __future__ import annotations
@@ -18,18 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
+from gdn2.evaluation import REFERENCE_AVERAGE, GDN2LM, make_task_manager, summarize
 
-from gdn2.evaluation import LOCAL_TASKS, REFERENCE_AVERAGE, GDN2LM, make_task_manager, summarize  # noqa: E402
-
-# Columns of the paper's table (REFERENCE.md section 4): (header, task/metric key, scale).
+# Columns of the paper's table: (header, task/metric key, scale).
 PAPER_COLUMNS = [
     ("Wiki ppl", "wikitext/word_perplexity", 1.0),
     ("LMB ppl", "lambada_openai/perplexity", 1.0),
@@ -69,7 +67,7 @@ def markdown_table(summary: dict[str, float], title: str) -> str:
         task, metric = key.split("/", 1)
         lines.append(f"| {task} | {metric} | {summary[key]:.4f} |")
     if "avg" in summary:
-        lines.append(f"| avg (REFERENCE.md section 4) | acc | {summary['avg']:.4f} |")
+        lines.append(f"| avg (the paper's nine tasks) | acc | {summary['avg']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,15 +96,49 @@ def parse_limit(value: Optional[str]) -> Optional[float]:
     return int(number) if number >= 1 and number == int(number) else number
 
 
+def default_output(checkpoint: Path) -> Path:
+    """``<run>/eval`` for a checkpoint of a run folder (``<run>/checkpoints/step-<N>``, or
+    ``<run>/final/model.pt``); else an ``eval`` folder beside the checkpoint."""
+    folder = checkpoint.parent if checkpoint.is_file() else checkpoint
+    if re.fullmatch(r"step-\d+", folder.name):
+        folder = folder.parent
+    if folder.name in ("checkpoints", "final"):
+        folder = folder.parent
+    return folder / "eval"
+
+
+def results_name(step: Optional[int], checkpoint: Path) -> str:
+    return f"results-step-{step:09d}" if step is not None else f"results-{checkpoint.stem}"
+
+
+def merge_earlier(path: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Earlier results of the same checkpoint in ``path``: tasks not scored now are kept."""
+    if not path.is_file():
+        return record
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return record
+    if earlier.get("checkpoint") != record["checkpoint"]:
+        return record
+    for key in ("results", "groups", "n-samples", "versions"):
+        record[key] = {**(earlier.get(key) or {}), **record[key]}
+    record["tasks"] = list(dict.fromkeys(list(earlier.get("tasks") or []) + record["tasks"]))
+    record["summary"] = summarize({"results": record["results"], "groups": record["groups"]})
+    return record
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="gdn2 eval", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="consolidated .pt file or training checkpoint folder")
+    parser.add_argument("--checkpoint", required=True,
+                        help="consolidated model.pt, a training checkpoint folder, or a folder of them (the newest)")
     parser.add_argument("--config", help="config name or YAML path (default: saved with the checkpoint)")
     parser.add_argument("--tokenizer", help="tokenizer.model (default: found beside the checkpoint)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     parser.add_argument("--limit", type=parse_limit, help="examples per task (int) or fraction (< 1)")
-    parser.add_argument("--include_path", default=str(LOCAL_TASKS), help="folder of extra task YAMLs ('' = none)")
+    parser.add_argument("--include_path", default=None,
+                        help="folder of extra task YAMLs (gdn2's own local tasks are always available)")
     parser.add_argument("--batch_size", default="auto", help="int, or 'auto' (32 on CUDA, 4 on CPU)")
     parser.add_argument("--device", help="e.g. cuda:0 or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, ...")
@@ -114,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num_fewshot", type=int, help="few-shot examples (default: each task's own, 0 here)")
     parser.add_argument("--bootstrap_iters", type=int, default=1000,
                         help="bootstrap samples for the standard errors that need them (0 = skip)")
-    parser.add_argument("--output", help="output folder (default: <checkpoint folder>/eval)")
+    parser.add_argument("--output", help="output folder (default: <run>/eval for a run's checkpoint)")
     parser.add_argument("--log_samples", action="store_true", help="also write per-example outputs")
     args = parser.parse_args(argv)
 
@@ -122,25 +154,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
-        parser.error("--tasks is empty")
+        raise ValueError("--tasks is empty")
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
-        parser.error(f"--checkpoint {checkpoint} does not exist")
-    output = Path(args.output) if args.output else (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
-    include = args.include_path or None
+        raise FileNotFoundError(f"--checkpoint {checkpoint} does not exist")
 
     start = time.time()
     lm = GDN2LM(checkpoint=str(checkpoint), config=args.config, tokenizer=args.tokenizer,
                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, max_length=args.max_length)
+    manager = make_task_manager(tasks, args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)} (neither lm-eval's nor gdn2's local tasks"
+                         f"{' nor ' + args.include_path if args.include_path else ''})")
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                      task_manager=make_task_manager(tasks, include),
-                                      bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples)
+                                      task_manager=manager, bootstrap_iters=args.bootstrap_iters,
+                                      log_samples=args.log_samples)
     if results is None:  # not rank 0
         return 0
-    summary = summarize(results)
+    scored = Path(lm.checkpoint_path).resolve()
+    output = Path(args.output) if args.output else default_output(scored)
     output.mkdir(parents=True, exist_ok=True)
+    name = results_name(lm.checkpoint_step, scored)
     record = {
-        "checkpoint": str(checkpoint.resolve()),
+        "checkpoint": str(scored),
+        "step": lm.checkpoint_step,
         "config": lm.config.to_dict(),
         "tokenizer": str(lm.tokenizer.path),
         "tasks": tasks,
@@ -148,22 +186,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "max_length": lm.max_length,
         "dtype": str(next(lm.model.parameters()).dtype).replace("torch.", ""),
         "seconds": round(time.time() - start, 1),
-        "summary": summary,
+        "summary": summarize(results),
         "results": _jsonable(results.get("results", {})),
         "groups": _jsonable(results.get("groups", {})),
         "n-samples": _jsonable(results.get("n-samples", {})),
         "versions": _jsonable(results.get("versions", {})),
     }
-    (output / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = merge_earlier(output / f"{name}.json", record)
+    (output / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     if args.log_samples:
-        (output / "samples.json").write_text(json.dumps(_jsonable(results.get("samples", {})), indent=1) + "\n")
-    title = f"{checkpoint.name} ({lm.config.name})" + (f", limit {args.limit}" if args.limit else "")
-    table = markdown_table(summary, title)
-    (output / "results.md").write_text(table)
+        (output / f"{name}-samples.json").write_text(json.dumps(_jsonable(results.get("samples", {})), indent=1) + "\n")
+    step = f"step {lm.checkpoint_step}" if lm.checkpoint_step is not None else "step unknown"
+    title = f"{scored} ({lm.config.name}, {step})" + (f", limit {args.limit}" if args.limit else "")
+    table = markdown_table(record["summary"], title)
+    (output / f"{name}.md").write_text(table)
     print(table)
-    print(f"wrote {output / 'results.json'} and {output / 'results.md'}")
+    print(f"wrote {output / name}.json and .md")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
-"""lm-eval harness adapter, registered as model ``gdn2``.
+"""lm-eval harness adapter, registered as model ``gdn2``, and gdn2's offline tasks.
 
-    import gdn2.evaluation  # registers the model
-    lm_eval.simple_evaluate(model="gdn2", model_args="checkpoint=out/run/final.pt", tasks=["piqa"])
+    import gdn2.evaluation  # registers the model and the local tasks (gdn2_local, ...)
+    lm_eval.simple_evaluate(model="gdn2", model_args="checkpoint=out/run/final/model.pt", tasks=["piqa"])
 
 or from a training loop, with the live model: ``evaluate_model(model, tokenizer, ["gdn2_local"])``.
 
@@ -21,6 +21,8 @@ Scoring conventions:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import math
@@ -44,10 +46,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GDN2LM", "evaluate_model", "make_task_manager", "summarize", "REFERENCE_AVERAGE", "LOCAL_TASKS"]
 
-# The default folder of local task definitions (``--include_path``).
-LOCAL_TASKS = Path(__file__).resolve().parent.parent / "eval" / "tasks"
+# gdn2's own task definitions (package data), offline: every TaskManager knows them once this module
+# is imported.
+LOCAL_TASKS = Path(__file__).resolve().parent / "tasks"
 
-# REFERENCE.md section 4: Avg = mean of LAMBADA acc and eight reasoning accuracies. acc_norm where the
+# The paper's Avg: mean of LAMBADA acc and eight reasoning accuracies. acc_norm where the
 # paper's tables use it (HellaSwag, ARC-Challenge) and for OpenBookQA, whose answers differ in length
 # (the usual choice in lm-eval-based reports); plain acc elsewhere.
 REFERENCE_AVERAGE = {
@@ -121,6 +124,7 @@ class GDN2LM(TemplateLM):
                 raise ValueError("model= needs tokenizer= (a Tokenizer or the path of tokenizer.model)")
             self.model = model
             self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+            self.checkpoint_path, self.checkpoint_step = None, None
             self._device = next(model.parameters()).device
         else:
             if checkpoint is None:
@@ -128,6 +132,7 @@ class GDN2LM(TemplateLM):
             loaded = load_model(checkpoint, config=config, tokenizer=tokenizer, device=self._device,
                                 dtype=parse_dtype(dtype, self._device))
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
+            self.checkpoint_path, self.checkpoint_step = loaded.checkpoint, loaded.extra.get("step")
         self.config = self.model.config
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise ValueError(f"tokenizer {self.tokenizer.path} has {self.tokenizer.vocab_size} tokens but the model "
@@ -351,21 +356,63 @@ def _distributed_rank_world() -> tuple[int, int]:
 # Running tasks
 # --------------------------------------------------------------------------------------------------
 
-def make_task_manager(tasks: Sequence[str], include_path: Union[str, os.PathLike, None] = LOCAL_TASKS):
-    """A TaskManager that knows ``tasks``: only the local folder when it defines them all (indexing
-    lm-eval's own task library takes half a minute), else the library plus the local folder."""
+def _with_local_tasks(include_path: Any) -> list[str]:
+    paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) \
+        else [include_path]
+    paths = [str(p) for p in paths]
+    if not any(Path(p).resolve() == LOCAL_TASKS for p in paths):
+        paths.append(str(LOCAL_TASKS))
+    return paths
+
+
+def _register_local_tasks() -> None:
+    """lm-eval has no registry of task folders: every TaskManager made after this gets ours on its
+    include path, so ``lm_eval.simple_evaluate(tasks=["gdn2_local"])`` works without one."""
     from lm_eval.tasks import TaskManager
 
-    if include_path is not None:
-        local = TaskManager(include_path=str(include_path), include_defaults=False)
-        if all(t in local.all_tasks for t in tasks):
-            return local
-    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+    init = TaskManager.__init__
+    if getattr(init, "_gdn2_local_tasks", False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["include_path"] = _with_local_tasks(bound.arguments.get("include_path"))
+        init(*bound.args, **bound.kwargs)
+
+    __init__._gdn2_local_tasks = True  # type: ignore[attr-defined]
+    TaskManager.__init__ = __init__
+
+
+class _QuietLocalTasks(logging.Filter):
+    """Our tasks load their data through ``custom_dataset``; lm-eval then advises passing custom kwargs,
+    which these tasks do not take: drop that advice for them only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("gdn2_local") and "Custom kwargs can be passed" in message)
+
+
+_register_local_tasks()
+logging.getLogger("lm_eval.api.task").addFilter(_QuietLocalTasks())
+
+
+def make_task_manager(tasks: Sequence[str], include_path: Union[str, os.PathLike, None] = None):
+    """A TaskManager that knows ``tasks`` (``include_path``: folders of extra task YAMLs; gdn2's own are
+    always included): only the local folders when they define them all (indexing lm-eval's own task
+    library takes half a minute), else the library too."""
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+        return local
+    return TaskManager(include_path=include_path)
 
 
 def summarize(results: dict) -> dict[str, float]:
     """Flatten lm-eval results into ``{"task/metric": value}`` (filter 'none' dropped, stderr left out),
-    plus ``avg`` (REFERENCE.md section 4) when all its nine tasks are present."""
+    plus ``avg`` (the paper's average) when all its nine tasks are present."""
     flat: dict[str, float] = {}
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
@@ -383,7 +430,7 @@ def summarize(results: dict) -> dict[str, float]:
 
 def evaluate_model(model: GPT, tokenizer: Union[Tokenizer, str, os.PathLike], tasks: Union[str, Sequence[str]],
                    limit: Optional[Union[int, float]] = None,
-                   include_path: Union[str, os.PathLike, None] = LOCAL_TASKS, batch_size: int = 8,
+                   include_path: Union[str, os.PathLike, None] = None, batch_size: int = 8,
                    max_length: Optional[int] = None, num_fewshot: Optional[int] = None,
                    bootstrap_iters: int = 0, return_raw: bool = False) -> dict[str, Any]:
     """Evaluate a live model on lm-eval tasks; returns ``{"task/metric": value, ..., "avg": ...}``.

@@ -1,6 +1,6 @@
 """The built-in corpus: Python's own standard library sources, ready to train on, no download.
 
-    python data_prep/default_corpus.py --output data/default [--vocab-size 4096] [--max-bytes 6000000]
+    python -m gdn2 corpus --output data/default [--vocab_size 4096] [--max_bytes 6000000]
 
 Writes, in ``--output``: ``corpus.jsonl`` (one document per standard-library module, key
 ``text``), ``tokenizer.model`` / ``.vocab`` (SentencePiece BPE, Llama-2 settings, 4096 pieces by
@@ -10,7 +10,7 @@ when its output exists, so a rerun is a no-op; about a minute on two cores.
 The text is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (code, comments,
 docstrings; ``pydoc_data`` brings the prose of the language reference), without site-packages,
 test suites and the codec tables of ``encodings``. Files are taken in an order fixed by a hash of
-their relative path until ``--max-bytes``: the same Python version gives the same corpus, byte for
+their relative path until ``--max_bytes``: the same Python version gives the same corpus, byte for
 byte; other versions give a similar one.
 """
 
@@ -26,11 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `import data_prep` work from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data_prep.prepare import prepare
-from data_prep.train_tokenizer import sample_sentences, train_tokenizer
+from gdn2.data.prepare import prepare
+from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.data.shards import read_header
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
@@ -129,11 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="data/default")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="size cap of the text")
+    parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="size cap of the text")
     parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    parser.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     parser.add_argument("--seed", type=int, default=3407)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)

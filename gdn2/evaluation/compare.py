@@ -1,10 +1,11 @@
 """Compare training runs: one table row per run and a picture of their validation losses.
 
-    python eval/compare.py out/swa_gdn2_125M out/gdn2_125M out/transformer_125M --out study/
+    python -m gdn2 compare out/swa_gdn2_125M out/gdn2_125M out/transformer_125M --out study/
 
 Reads what the trainer writes in each run folder (``config.yaml``, ``metrics.jsonl``, ``run.json``)
-and, when present, the lm-eval results of ``eval/run.py`` (``<run>/eval/results.json``) or of the
-trainer's own lm-eval hook (``lm_eval`` records in ``metrics.jsonl``). Writes
+and, when present, the lm-eval results of ``gdn2 eval`` on the run's last scored checkpoint
+(``<run>/eval/results-step-<N>.json``, the highest N) or of the trainer's own lm-eval hook
+(``lm_eval`` records in ``metrics.jsonl``). Writes
 
 - ``DIR/compare.md``: per run its config, seed, block parameters, tokens seen, training speed
   (median tokens/s per device over the logged intervals after the first, which holds compilation),
@@ -32,10 +33,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
 
 
 class CompareError(ValueError):
@@ -142,8 +139,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _lm_eval_scores(folder: Path, records: list[dict[str, Any]]) -> dict[str, float]:
-    path = folder / "eval" / "results.json"
-    if path.is_file():
+    scored = sorted((folder / "eval").glob("results-step-*.json"))
+    if scored:
+        path = scored[-1]
         try:
             summary = json.loads(path.read_text()).get("summary") or {}
         except json.JSONDecodeError:
@@ -327,7 +325,7 @@ def compare(folders: Sequence[str | Path], out: str | Path, title: str = "Traini
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="gdn2 compare", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders written by the trainer (out/<run>)")
     parser.add_argument("--out", required=True, help="folder for compare.md, compare.json and compare.png")
@@ -336,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         compare(args.runs, args.out, args.title)
     except CompareError as error:
-        print(f"compare.py: error: {error}", file=sys.stderr)
+        print(f"gdn2 compare: error: {error}", file=sys.stderr)
         return 2
     print((Path(args.out) / "compare.md").read_text())
     print(f"wrote {Path(args.out) / 'compare.md'}, compare.json and compare.png")

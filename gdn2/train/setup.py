@@ -1,0 +1,211 @@
+"""Everything a run needs before its first step: Fabric and the model, the data folders, the run
+folder's ``run.json``, the checks of a resume, and the logger."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from gdn2.data import find_shards, read_manifest
+from gdn2.layers.fused import set_compiled
+from gdn2.model import GPT, Block, flops_per_token
+from gdn2.train.checkpoint import read_checkpoint_config, read_marker
+from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
+from gdn2.train.recipe import Recipe
+from gdn2.train.slurm import Topology, resolve_topology
+
+log = logging.getLogger("gdn2.train")
+
+def resolve_accelerator(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"distributed.accelerator: {name!r} requested but no CUDA device is available")
+        return "cuda"
+    return "cpu"
+
+
+def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
+    """A ``lightning.Fabric`` for the recipe: FSDP (one unit per Block) on several GPUs, DDP for several
+    CPU processes, a single device otherwise."""
+    import lightning as L
+    from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+
+    d = recipe.distributed
+    topo = topology or resolve_topology(d.devices, d.num_nodes)
+    accelerator = resolve_accelerator(d.accelerator)
+    precision = d.precision if d.precision != "auto" else ("bf16-mixed" if accelerator == "cuda" else "32-true")
+    devices = topo.devices
+    if devices == "auto":
+        devices = torch.cuda.device_count() if accelerator == "cuda" else 1
+    world_size = devices * topo.num_nodes
+    timeout = timedelta(minutes=d.timeout_minutes)
+    if world_size == 1:
+        strategy: Any = "auto"
+    elif d.strategy in ("auto", "fsdp") and accelerator == "cuda":
+        from torch.distributed.fsdp import MixedPrecision
+
+        sharding = d.sharding if d.sharding != "auto" else ("hybrid" if topo.num_nodes > 1 else "full")
+        kwargs: dict[str, Any] = {}
+        if sharding == "hybrid":
+            kwargs["device_mesh"] = (topo.num_nodes, devices)  # replicate across nodes, shard inside one
+        strategy = FSDPStrategy(
+            auto_wrap_policy={Block},
+            activation_checkpointing_policy={Block} if recipe.train.activation_checkpointing else None,
+            sharding_strategy={"full": "FULL_SHARD", "hybrid": "HYBRID_SHARD", "grad_op": "SHARD_GRAD_OP"}[sharding],
+            state_dict_type=recipe.checkpoint.state_dict_type,
+            # bf16 compute and all-gathers, fp32 gradient reduction (Fabric's "bf16-mixed" alone would
+            # reduce in bf16)
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16-mixed" else None,
+            use_orig_params=True,
+            limit_all_gathers=True,
+            timeout=timeout,
+            **kwargs,
+        )
+    elif d.strategy == "fsdp":
+        raise ValueError("distributed.strategy: fsdp needs CUDA devices; use ddp for several CPU processes")
+    else:
+        strategy = DDPStrategy(timeout=timeout, process_group_backend="nccl" if accelerator == "cuda" else "gloo")
+    fabric = L.Fabric(accelerator=accelerator, devices=devices, num_nodes=topo.num_nodes, strategy=strategy,
+                      precision=precision)
+    return fabric, topo, precision
+
+
+def is_fsdp(fabric) -> bool:
+    from lightning.fabric.strategies import FSDPStrategy
+
+    return isinstance(fabric.strategy, FSDPStrategy)
+
+
+def build_model_and_optimizer(fabric, recipe: Recipe):
+    """(model, optimizer, parameter count) set up by Fabric. Under FSDP the model is built on the meta
+    device and each rank materialises its own shards through the modules' ``reset_parameters``."""
+    fabric.seed_everything(recipe.train.seed, verbose=False)
+    set_compiled(recipe.train.compile and fabric.device.type == "cuda")
+    with fabric.init_module(empty_init=is_fsdp(fabric)):
+        model = GPT(recipe.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    no_decay = no_weight_decay_names(model)  # decided on the bare model: FSDP loses shapes and attributes
+    if recipe.train.activation_checkpointing and not is_fsdp(fabric):  # FSDP applies its own policy
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, no_decay, recipe.optimizer, fabric.device.type))
+    return model, optimizer, num_params
+
+
+DEFAULT_CORPUS = Path("data/default")
+
+
+def prepare_default_corpus(recipe: Recipe) -> None:
+    """Build the built-in corpus into ``data/default`` when the recipe reads it and it holds no shards.
+    Any other folder without shards is an error naming it: a mistyped path is never filled."""
+    folders = [s.path for s in recipe.train_sources()] + ([recipe.data.val] if recipe.data.val else [])
+    for folder in dict.fromkeys(folders):
+        split = "val" if folder == recipe.data.val and folder not in [s.path for s in recipe.train_sources()] else "train"
+        try:
+            find_shards(folder, split=split)
+            continue
+        except FileNotFoundError:
+            pass
+        if Path(folder) != DEFAULT_CORPUS and Path(folder).resolve() != DEFAULT_CORPUS.resolve():
+            raise FileNotFoundError(
+                f"data.train / data.val: {folder} holds no {split}_*.bin shards; data.prepare_default builds only the "
+                f"built-in corpus in {DEFAULT_CORPUS} (prepare other data with python -m gdn2 prepare)")
+        from gdn2.data.default_corpus import build_default_corpus
+
+        log.info("no shards in %s: building the built-in corpus (python -m gdn2 corpus --output %s)", folder, folder)
+        build_default_corpus(folder)
+
+
+def data_identity(source: str) -> dict[str, Any]:
+    """What a run folder records of one data source: its tokenizer and size, from the manifest that
+    ``prepare.py`` wrote (None where the folder has none)."""
+    manifest = read_manifest(source) or {}
+    tokenizer = manifest.get("tokenizer") or {}
+    return {"path": source, "tokenizer_sha256": tokenizer.get("sha256"), "vocab_size": tokenizer.get("vocab_size"),
+            "tokens": manifest.get("tokens"), "fingerprint": manifest.get("fingerprint")}
+
+
+def write_run_info(out_dir: Path, recipe: Recipe, num_params: int, block_params: int, device_name: str,
+                   world_size: int, precision: str, strategy: str) -> None:
+    """``run.json`` in the run folder: what ran where, on which data (read by ``eval/compare.py``)."""
+    info = {
+        "config_name": recipe.config_name,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device_name,
+        "world_size": world_size,
+        "precision": precision,
+        "strategy": strategy,
+        "parameters": num_params,
+        "block_parameters": block_params,
+        "flops_per_token": flops_per_token(recipe.model, recipe.model.block_size),
+        "torch": torch.__version__,
+        "data": {"train": [dict(data_identity(s.path), weight=s.weight) for s in recipe.train_sources()],
+                 "val": data_identity(recipe.data.val) if recipe.data.val else None},
+    }
+    (out_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def check_resume_compatible(recipe: Recipe, checkpoint: Path, world_size: int) -> list[str]:
+    """Raise ValueError when ``checkpoint`` holds another model or world size; return the training
+    settings that changed (allowed, reported)."""
+    saved = read_checkpoint_config(checkpoint)
+    marker = read_marker(checkpoint)
+    current = recipe.sections_dict()
+    model_diff = [f"model.{k}: checkpoint {saved['model'].get(k)!r}, now {v!r}"
+                  for k, v in current["model"].items() if k != "name" and saved["model"].get(k) != v]
+    if model_diff:
+        raise ValueError(f"cannot resume from {checkpoint}: the model config differs ({'; '.join(model_diff)})")
+    if marker["world_size"] != world_size:
+        raise ValueError(
+            f"cannot resume from {checkpoint}: it was written by {marker['world_size']} ranks and this run has "
+            f"{world_size}; the data order (and train.micro_batch_size) must stay the same for an exact resume")
+    # the data loader's position is a micro-batch count: it only carries over to the same sample sequence
+    for section, key in (("train", "micro_batch_size"), ("train", "seed"), ("data", "train")):
+        old, new = (saved.get(section) or {}).get(key), current[section][key]
+        if old != new:
+            raise ValueError(f"cannot resume from {checkpoint}: {section}.{key} changed ({old!r} -> {new!r}), so the "
+                             "data loader cannot continue the same sample sequence")
+    changed = []
+    for section, values in current.items():
+        if section == "model":
+            continue
+        for k, v in values.items():
+            old = (saved.get(section) or {}).get(k)
+            if old != v:
+                changed.append(f"{section}.{k}: {old!r} -> {v!r}")
+    return changed
+
+
+class _StderrHandler(logging.Handler):
+    """Writes through tqdm, so a line never splits a progress bar, to whatever ``sys.stderr`` is at the
+    time (it may be replaced, e.g. by test capture)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never break the run
+            self.handleError(record)
+
+
+def setup_logging(rank: int) -> None:
+    """The ``gdn2`` loggers print on rank 0 (warnings only elsewhere); the root logger is left alone."""
+    logger = logging.getLogger("gdn2")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
