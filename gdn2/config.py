@@ -234,6 +234,9 @@ class Config:
         data = load_yaml(path)
         if "model" not in data:
             raise ValueError(f"{path}: no 'model' section")
+        if not isinstance(data["model"] or {}, dict):
+            raise TypeError(f"{path}: model: expected a mapping of architecture keys, got "
+                            f"{type(data['model']).__name__} {data['model']!r}")
         model = dict(data["model"] or {})
         model.setdefault("name", path.stem)
         model.update(overrides)

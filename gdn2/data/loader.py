@@ -71,6 +71,10 @@ class TokenStream:
         state["_readers"] = None
         return state
 
+    def shard_at(self, offset: int) -> Path:
+        """The shard holding stream token ``offset``."""
+        return self.paths[int(np.searchsorted(self.starts, offset, side="right")) - 1]
+
     def read(self, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of the stream as int64, crossing shard ends."""
         if offset < 0 or offset + length > len(self):
@@ -188,8 +192,9 @@ class _TrainBatches(IterableDataset):
     with ``(k - start) % n == w``, so a DataLoader's round-robin returns them in order."""
 
     def __init__(self, streams, weights, seed, block_size, micro_batch_size, rank, world_size,
-                 document_masking, eos_id, start):
+                 document_masking, eos_id, start, vocab_size=None):
         self.streams = streams
+        self.vocab_size = vocab_size
         self.block_size = block_size
         self.micro_batch_size = micro_batch_size
         self.rank = rank
@@ -206,6 +211,10 @@ class _TrainBatches(IterableDataset):
         for m in range(self.micro_batch_size):
             source, sample = self.sampler.locate(first + m)
             rows[m] = self.streams[source].read(sample * self.block_size, self.block_size + 1)
+            if self.vocab_size is not None and (rows[m].max() >= self.vocab_size or rows[m].min() < 0):
+                offset = sample * self.block_size
+                raise ValueError(f"{self.streams[source].shard_at(offset)}: token id {int(rows[m].max())} near stream "
+                                 f"offset {offset} is outside the model's vocabulary of {self.vocab_size}")
         return _to_batch(rows, self.document_masking, self.eos_id)
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -244,18 +253,22 @@ class TrainLoader:
             are the same, in the same order, whatever this is.
         document_masking: also yield ``cu_seqlens`` (see ``document_cu_seqlens``).
         eos_id: the end-of-document token marking document boundaries.
+        vocab_size: when given, a sample holding an id outside ``[0, vocab_size)`` is an error naming
+            its shard (checked on every batch, a few microseconds).
 
     Iterating yields dicts: ``input_ids`` int64 [micro_batch_size, block_size], ``labels`` int64
     [micro_batch_size, block_size] (input shifted left by one), and with document masking
     ``cu_seqlens`` int32 [S + 1] over the flattened micro-batch. The iterator never ends.
 
     ``state_dict()`` is identical on every rank (a micro-batch counter plus checks), so rank 0's
-    copy can be loaded everywhere. Call ``load_state_dict`` before iterating.
+    copy can be loaded everywhere, also by a loader with another world size or micro-batch size: it
+    continues at the same global sample. Call ``load_state_dict`` before iterating.
     """
 
     def __init__(self, sources: Sequence[tuple[str | os.PathLike, float]], block_size: int,
                  micro_batch_size: int, seed: int = 3407, rank: int = 0, world_size: int = 1,
-                 num_workers: int = 0, document_masking: bool = False, eos_id: int = 2):
+                 num_workers: int = 0, document_masking: bool = False, eos_id: int = 2,
+                 vocab_size: int | None = None):
         block_size, micro_batch_size = _as_int("block_size", block_size, 1), _as_int("micro_batch_size", micro_batch_size, 1)
         world_size = _as_int("world_size", world_size, 1)
         rank, num_workers = _as_int("rank", rank, 0, world_size), _as_int("num_workers", num_workers, 0)
@@ -269,6 +282,7 @@ class TrainLoader:
         self.num_workers = num_workers
         self.document_masking = document_masking
         self.eos_id = eos_id
+        self.vocab_size = vocab_size
 
         self.streams: list[TokenStream] = []
         self.weights: list[float] = []
@@ -304,7 +318,8 @@ class TrainLoader:
 
     def _dataset(self) -> _TrainBatches:
         return _TrainBatches(self.streams, self.weights, self.seed, self.block_size, self.micro_batch_size,
-                             self.rank, self.world_size, self.document_masking, self.eos_id, self._consumed)
+                             self.rank, self.world_size, self.document_masking, self.eos_id, self._consumed,
+                             self.vocab_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         dataset = self._dataset()
@@ -338,13 +353,16 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue with the micro-batch after the last one counted in ``state``.
 
-        Raises ValueError when the state comes from a loader with other sources (shard names,
-        sizes or weights), seed, block size, micro-batch size or world size.
+        A state from another world size or micro-batch size continues at the same global sample
+        (every sample used once, in the same order) when the samples consumed divide evenly into
+        this loader's micro-batches over all ranks. Raises ValueError when the state comes from a
+        loader with other sources (shard names, sizes or weights), seed or block size, or when the
+        samples consumed do not divide.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"state: not a TrainLoader state (format {state.get('format') if isinstance(state, dict) else None!r})")
         current = self.state_dict()
-        for key in ("sources", "seed", "block_size", "micro_batch_size", "world_size"):
+        for key in ("sources", "seed", "block_size"):
             if state.get(key) != current[key]:
                 what = "sources (shard names, token counts or weights)" if key == "sources" else key
                 raise ValueError(
@@ -354,7 +372,14 @@ class TrainLoader:
         consumed = state.get("batches_consumed")
         if not isinstance(consumed, int) or consumed < 0:
             raise ValueError(f"state: batches_consumed must be a non-negative int, got {consumed!r}")
-        self._consumed = consumed
+        samples = consumed * int(state.get("world_size", 1)) * int(state.get("micro_batch_size", 1))
+        per_round = self.world_size * self.micro_batch_size
+        if samples % per_round:
+            raise ValueError(
+                f"state: {samples} samples consumed (world size {state.get('world_size')} x micro-batch "
+                f"{state.get('micro_batch_size')} x {consumed}) do not divide into rounds of world size "
+                f"{self.world_size} x micro-batch {self.micro_batch_size}; resume where they do")
+        self._consumed = samples // per_round
 
 
 class ValLoader:

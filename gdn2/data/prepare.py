@@ -849,6 +849,14 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
                       "rerun the same command to continue", file=sys.stderr)
                 return None
 
+    kept = stats["documents_kept"]
+    if kept["train"] + kept["val"] == 0:
+        for writer in writers.values():
+            writer.finish()
+        (output / JOURNAL_NAME).unlink(missing_ok=True)
+        raise ValueError(f"--input: no usable document in {', '.join(i['path'] for i in plan.inputs)} "
+                         f"({stats['documents_read']} read, skipped: {dict(stats['documents_skipped'])}); "
+                         "nothing was written")
     for writer in writers.values():
         writer.finish()
     manifest = {

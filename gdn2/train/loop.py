@@ -19,13 +19,14 @@ import torch
 
 from gdn2.data import TrainLoader
 from gdn2.model import GPT, flops_per_token
-from gdn2.train.checkpoint import Checkpointer, list_checkpoints, load_checkpoint, resolve_resume, set_rng_state
+from gdn2.train.checkpoint import (Checkpointer, list_checkpoints, load_checkpoint, resolve_resume, resume_candidates,
+                                   set_rng_state, supersede_newer)
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
-from gdn2.train.setup import (build_fabric, build_model_and_optimizer, check_resume_compatible,
-                              prepare_default_corpus, setup_logging, write_run_info)
+from gdn2.train.setup import (RunLock, build_fabric, build_model_and_optimizer, check_resume_compatible,
+                              check_vocabulary, prepare_default_corpus, setup_logging, write_run_info)
 from gdn2.train.slurm import SlurmJob, StopSignals, parse_duration, requeue
 from gdn2.train.validate import LmEvaluator, Validator
 
@@ -130,9 +131,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     fabric, topology, precision = build_fabric(recipe)
     plan = make_plan(recipe, fabric.world_size)  # raises before any work on a bad batch layout
     budget = parse_duration(recipe.train.max_wall_time) if recipe.train.max_wall_time else None
-    resume_path = resolve_resume(resume, recipe.checkpoint_dir)
-    changed = check_resume_compatible(recipe, resume_path, fabric.world_size) if resume_path else []
-    if resume_path is None and list_checkpoints(recipe.checkpoint_dir):
+    resume_candidates(resume, recipe.checkpoint_dir)  # a --resume path that does not exist fails here
+    if resume is None and list_checkpoints(recipe.checkpoint_dir):
         raise ValueError(f"{recipe.checkpoint_dir} already holds checkpoints of an earlier run: continue it with "
                          "--resume auto, or start afresh in another --out_dir")
 
@@ -141,6 +141,25 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     setup_logging(fabric.global_rank)
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
     out_dir = Path(recipe.out_dir)
+    lock = RunLock(out_dir)
+    refusal = lock.acquire() if rank0 else None  # a second trainer on this folder stops here, every rank
+    refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
+    if refusal is not None:
+        raise ValueError(refusal)
+    try:
+        return _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir)
+    finally:
+        lock.release()
+
+
+def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started: float, budget: Optional[float],
+         topology, precision: str, slurm, out_dir: Path) -> FitResult:
+    rank0 = fabric.global_rank == 0
+    resume_path = resolve_resume(resume, recipe.checkpoint_dir, fabric)
+    changed = check_resume_compatible(recipe, resume_path, fabric.world_size) if resume_path else []
+    if rank0 and resume_path is not None:
+        supersede_newer(recipe.checkpoint_dir, resume_path)
+    fabric.barrier()
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(recipe.to_yaml())
@@ -168,11 +187,12 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
                  plan.max_steps * plan.tokens_per_step)
         _report_adjusted_settings(recipe, plan, device_type)
 
+    check_vocabulary(recipe)
     sources = [(s.path, s.weight) for s in recipe.train_sources()]
     train_loader = TrainLoader(sources, plan.block_size, plan.micro_batch_size, seed=recipe.train.seed,
                                rank=fabric.global_rank, world_size=fabric.world_size,
                                num_workers=recipe.data.num_workers, document_masking=recipe.data.document_masking,
-                               eos_id=recipe.data.eos_id)
+                               eos_id=recipe.data.eos_id, vocab_size=recipe.model.vocab_size)
     state = TrainState()
     if resume_path is not None:
         trainer_state, extras = load_checkpoint(fabric, resume_path, model, optimizer)

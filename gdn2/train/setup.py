@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from gdn2.data import find_shards, read_manifest
+from gdn2.data.shards import PackedShardReader
 from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.train.checkpoint import read_checkpoint_config, read_marker
@@ -168,11 +169,10 @@ def check_resume_compatible(recipe: Recipe, checkpoint: Path, world_size: int) -
     if model_diff:
         raise ValueError(f"cannot resume from {checkpoint}: the model config differs ({'; '.join(model_diff)})")
     if marker["world_size"] != world_size:
-        raise ValueError(
-            f"cannot resume from {checkpoint}: it was written by {marker['world_size']} ranks and this run has "
-            f"{world_size}; the data order (and train.micro_batch_size) must stay the same for an exact resume")
-    # the data loader's position is a micro-batch count: it only carries over to the same sample sequence
-    for section, key in (("train", "micro_batch_size"), ("train", "seed"), ("data", "train")):
+        log.info("resuming on %d rank(s) a checkpoint written by %d: the model and optimizer are resharded and the "
+                 "data continue from the same global sample", world_size, marker["world_size"])
+    # the data loader continues the same global sample sequence: that needs the same seed and data
+    for section, key in (("train", "seed"), ("data", "train")):
         old, new = (saved.get(section) or {}).get(key), current[section][key]
         if old != new:
             raise ValueError(f"cannot resume from {checkpoint}: {section}.{key} changed ({old!r} -> {new!r}), so the "
@@ -209,3 +209,71 @@ def setup_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``<run>/.lock``, held by rank 0 while it trains): a second
+    trainer on the same folder is refused instead of interleaving its metrics and checkpoints."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / ".lock"
+        self._file = None
+
+    def acquire(self) -> Optional[str]:
+        """None when the lock is ours, else the refusal to report."""
+        import fcntl
+        import os
+        import socket
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            return (f"{self.path.parent} is in use by another trainer ({holder}); wait for it to finish, or train "
+                    "in another --out_dir")
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._file = f
+        return None
+
+    def release(self) -> None:
+        if self._file is not None:
+            import fcntl
+
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+# Tokens read from each end of a shard that has no manifest to say which tokenizer made it.
+VOCAB_SCAN_TOKENS = 1 << 20
+
+
+def check_vocabulary(recipe: Recipe) -> None:
+    """Every data source's token ids must lie below ``model.vocab_size``: from the tokenizer size its
+    ``manifest.json`` records, or, without one, from a bounded scan of each shard's ends. ValueError
+    naming the folder or shard (the training loader also checks every batch it reads)."""
+    vocab = recipe.model.vocab_size
+    sources = [("data.train", s.path) for s in recipe.train_sources()]
+    sources += [("data.val", recipe.data.val)] if recipe.data.val else []
+    for key, source in sources:
+        manifest = read_manifest(source)
+        recorded = ((manifest or {}).get("tokenizer") or {}).get("vocab_size")
+        if isinstance(recorded, int):
+            if recorded > vocab:
+                raise ValueError(f"{key}: {source} was tokenised with a {recorded}-piece tokenizer (manifest.json), "
+                                 f"but model.vocab_size is {vocab}")
+            continue
+        split = "val" if key == "data.val" else "train"
+        for shard in find_shards(source, split=split):
+            tokens = PackedShardReader(shard).tokens
+            for part in (tokens[:VOCAB_SCAN_TOKENS], tokens[-VOCAB_SCAN_TOKENS:]):
+                if len(part) and int(part.max()) >= vocab:
+                    raise ValueError(f"{key}: {shard} holds token id {int(part.max())}, not below model.vocab_size "
+                                     f"{vocab}")

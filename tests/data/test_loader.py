@@ -103,14 +103,41 @@ def test_load_state_dict_rejects_a_different_setup(counting_source, tmp_path):
     TrainLoader([(directory, 1.0)], BLOCK, 4, rank=1, world_size=2).load_state_dict(state)  # any rank
     with pytest.raises(ValueError, match="block_size"):
         TrainLoader([(directory, 1.0)], BLOCK * 2, 4, world_size=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="world_size"):
-        TrainLoader([(directory, 1.0)], BLOCK, 4, world_size=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="do not divide"):  # 16 samples consumed, rounds of 3 x 2
+        TrainLoader([(directory, 1.0)], BLOCK, 2, world_size=3).load_state_dict(state)
     with pytest.raises(ValueError, match="sources"):
         TrainLoader([(directory, 1.0), (directory, 1.0)], BLOCK, 4, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         TrainLoader([(directory, 1.0)], BLOCK, 4, seed=1, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         loader.load_state_dict({"batches_consumed": 3})
+
+
+def test_resume_on_another_world_size_continues_the_global_sample_order(counting_source):
+    """2 ranks x 4 -> 1 rank x 4 and 4 ranks x 2: the same samples in the same order, none repeated or skipped."""
+    directory, _ = counting_source
+
+    def rounds(world, micro, k, state=None):
+        loaders = [TrainLoader([(directory, 1.0)], BLOCK, micro, rank=r, world_size=world) for r in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        batches = [_take(loader, k) for loader in loaders]
+        order = [int(row[0]) for t in range(k) for r in range(world) for row in batches[r][t]["input_ids"]]
+        return order, loaders[0].state_dict()
+
+    whole, _ = rounds(1, 8, 6)
+    first, state = rounds(2, 4, 2)
+    for world, micro in ((1, 4), (4, 2)):
+        rest, _ = rounds(world, micro, 32 // (world * micro), state)
+        assert first + rest == whole[:48]
+
+
+def test_token_ids_outside_the_vocabulary_name_the_shard(counting_source):
+    directory, _ = counting_source
+    loader = TrainLoader([(directory, 1.0)], BLOCK, 4, vocab_size=10)
+    with pytest.raises(ValueError, match=r"train_\d+\.bin: token id \d+ .* vocabulary of 10"):
+        _take(loader, 1)
 
 
 def test_mixing_weights_are_respected(tmp_path):

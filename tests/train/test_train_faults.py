@@ -1,0 +1,157 @@
+"""Faults that must neither lose nor corrupt a run: resuming an older checkpoint, damaged checkpoints,
+a mistyped data folder, token ids beyond the vocabulary, two trainers on one folder, a save that cannot
+use the temporary directory, a full disk."""
+
+import errno
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gdn2.train.checkpoint as checkpoint
+from gdn2.data import write_shard
+from gdn2.train.checkpoint import CorruptCheckpointError, consolidate_main, list_checkpoints
+from gdn2.train.loop import fit
+from gdn2.train.metrics import read_jsonl
+from gdn2.train.recipe import load_recipe
+from train_helpers import ROOT, micro_config
+
+
+def run_fit(cfg, out_dir, resume=None, **overrides):
+    return fit(load_recipe(str(cfg), {k: str(v) for k, v in overrides.items()}, out_dir=str(out_dir)), resume=resume)
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def saved_run(corpus, tmp_path):
+    """A run of 6 steps with a checkpoint every 2 steps (2, 4, 6)."""
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6), checkpoint=dict(interval=2, keep_last=5))
+    out = tmp_path / "run"
+    run_fit(cfg, out)
+    return cfg, out
+
+
+def test_resuming_an_older_checkpoint_makes_its_checkpoints_the_runs_own(saved_run):
+    cfg, out = saved_run
+    ckpts = out / "checkpoints"
+    result = run_fit(cfg, out, resume=str(ckpts / "step-000000002"), **{"train.max_steps": 8})
+    assert result.step == 8
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2, 4, 6, 8]
+    (superseded,) = (ckpts / checkpoint.SUPERSEDED).iterdir()  # the old 4 and 6, kept, out of the way
+    assert sorted(p.name for p in superseded.iterdir()) == ["step-000000004", "step-000000006"]
+    # the new checkpoints hold the new trajectory: its step 4 is not the old run's step 4
+    new4 = torch.load(ckpts / "step-000000004" / "state", weights_only=False)["trainer"]
+    assert new4["step"] == 4
+    assert checkpoint.read_marker(ckpts / "step-000000004")["saved_at"] > checkpoint.read_marker(
+        superseded / "step-000000004")["saved_at"]
+    assert sorted(losses(out)) == list(range(1, 9))
+    assert run_fit(cfg, out, resume="auto", **{"train.max_steps": 9}).step == 9  # continues the new one
+
+
+def test_a_flipped_bit_is_named_by_resume_and_consolidate(saved_run, capsys):
+    cfg, out = saved_run
+    newest = out / "checkpoints" / "step-000000006"
+    flip_a_byte(newest / "state")
+    with pytest.raises(CorruptCheckpointError, match=r"step-000000006/state: content differs"):
+        run_fit(cfg, out, resume=str(newest), **{"train.max_steps": 8})
+    with pytest.raises(CorruptCheckpointError, match=r"step-000000006/state: content differs"):
+        consolidate_main([str(newest)])
+    assert not (out / "final").exists()
+
+
+def test_resume_auto_skips_a_damaged_or_incomplete_newest_checkpoint(saved_run, caplog):
+    cfg, out = saved_run
+    ckpts = out / "checkpoints"
+    flip_a_byte(ckpts / "step-000000006" / "ranks" / "rank-00000.pt")
+    (ckpts / "step-000000004" / "state").write_bytes(b"short")  # truncated
+    with caplog.at_level(logging.INFO, logger="gdn2"):
+        result = run_fit(cfg, out, resume="auto", **{"train.max_steps": 7})
+    assert result.step == 7
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(skipped) == 2 and "rank-00000.pt: content differs" in skipped[0] and "truncated" in skipped[1]
+    assert sorted(losses(out)) == list(range(1, 8))
+    resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert "step-000000002" in resumed[0]
+
+
+def test_mistyped_data_folder_is_not_filled_with_the_builtin_corpus(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, data=dict(train=[str(tmp_path / "dta")], val=str(tmp_path / "dta"),
+                                                   prepare_default=True))
+    with pytest.raises(FileNotFoundError, match=r"dta holds no train_\*\.bin shards; data.prepare_default builds only"):
+        run_fit(cfg, tmp_path / "run")
+    assert not (tmp_path / "dta").exists()
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_data(corpus, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tokens = np.arange(2000, dtype=np.uint16) % 300  # ids up to 299, the micro model has 256
+    write_shard(bad / "train_0000000000.bin", tokens)
+    write_shard(bad / "val_0000000000.bin", tokens[:500] % 256)
+    cfg = micro_config(corpus, tmp_path, data=dict(train=[str(bad)], val=str(bad)))
+    with pytest.raises(ValueError, match=r"data.train: .*train_0000000000.bin holds token id 299, not below "
+                                         r"model.vocab_size 256"):
+        run_fit(cfg, tmp_path / "run")
+    (bad / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 300}}))
+    with pytest.raises(ValueError, match=r"300-piece tokenizer \(manifest.json\), but model.vocab_size is 256"):
+        run_fit(cfg, tmp_path / "run2")
+
+
+def test_a_second_trainer_on_the_same_folder_is_refused(corpus, tmp_path):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6))
+    out = tmp_path / "run"
+    from gdn2.train.setup import RunLock
+
+    lock = RunLock(out)
+    assert lock.acquire() is None
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", str(cfg), "--out_dir",
+                               str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        lock.release()
+    assert proc.returncode == 2
+    assert "is in use by another trainer (pid" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (out / "metrics.jsonl").exists()
+    assert run_fit(cfg, out).step == 6  # free again once the first one is gone
+
+
+def test_save_writes_in_place_without_the_temporary_directory(corpus, tmp_path, monkeypatch):
+    import tempfile
+
+    def no_temporary_files(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (temporary directory)")
+
+    for name in ("mkstemp", "NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile", "mkdtemp"):
+        monkeypatch.setattr(tempfile, name, no_temporary_files)
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=2), checkpoint=dict(interval=1))
+    result = run_fit(cfg, tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [1, 2] and result.step == 2
+
+
+def test_a_full_disk_during_a_save_names_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4), checkpoint=dict(interval=2))
+    real = torch.save
+
+    def fill_up(obj, f, *args, **kwargs):
+        if "step-000000004" in str(getattr(f, "name", f)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", fill_up)
+    with pytest.raises(OSError, match=r"No space left on device while saving the checkpoint of step 4 .* the last "
+                                      r"good checkpoint is .*step-000000002"):
+        run_fit(cfg, tmp_path / "run")
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
