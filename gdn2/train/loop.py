@@ -146,14 +146,18 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
     if refusal is not None:
         raise ValueError(refusal)
+    # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly: one that comes while the model is built
+    # is answered at the first step (a save, and a requeue under SLURM)
+    signals = StopSignals().install()
     try:
-        return _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir)
+        return _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir, signals)
     finally:
+        signals.restore()
         lock.release()
 
 
 def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started: float, budget: Optional[float],
-         topology, precision: str, slurm, out_dir: Path) -> FitResult:
+         topology, precision: str, slurm, out_dir: Path, signals: StopSignals) -> FitResult:
     rank0 = fabric.global_rank == 0
     resume_path = resolve_resume(resume, recipe.checkpoint_dir, fabric)
     changed = check_resume_compatible(recipe, resume_path, fabric.world_size) if resume_path else []
@@ -229,7 +233,6 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
     batches = iter(train_loader)
     last_step_time = 0.0
     stop_reason = "finished"
-    signals = StopSignals().install()  # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly
     try:
         while state.step < plan.max_steps:
             if recipe.train.stop_at_step is not None and state.step >= recipe.train.stop_at_step:
@@ -270,7 +273,6 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
     finally:
         bar.close()
         metrics.close()
-        signals.restore()
 
     requeued = False
     if stop_reason == "signal" and slurm is not None and recipe.distributed.requeue:

@@ -1,0 +1,98 @@
+"""scripts/pretrain_1.3B.sh under a real SLURM scheduler (a one-node cluster, .ci/slurm_cluster.sh): the
+warning signal before the time limit saves and requeues, the requeued job resumes from that checkpoint
+with the losses of an uninterrupted run, and ``scancel --signal=INT`` saves and stops without a requeue.
+Skipped where no cluster answers."""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from gdn2.train.checkpoint import list_checkpoints
+from gdn2.train.loop import fit
+from gdn2.train.metrics import read_jsonl
+from gdn2.train.recipe import load_recipe
+from train_helpers import ROOT
+
+
+def _cluster_idle() -> bool:
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return False
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "idle" in states
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _cluster_idle(), reason="no idle SLURM cluster")]
+
+
+def _state(job: str) -> str:
+    """The job's state as the controller reports it (it keeps finished jobs for a few minutes)."""
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    found = [w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")]
+    return found[0] if found else "GONE"
+
+
+def _train_steps(run) -> list[int]:
+    try:
+        return [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def _wait(what, condition, timeout, log):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; job log:\n{log.read_text()[-4000:] if log.exists() else ''}")
+
+
+def test_usr1_requeue_resume_and_scancel_int(corpus, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "slurm.out"
+    overrides = {"data.train": str(corpus), "data.val": str(corpus), "data.prepare_default": "false",
+                 "data.num_workers": "0", "model.block_size": "64", "train.max_steps": "100000",
+                 "train.global_batch_size": "2", "train.micro_batch_size": "2", "eval.interval": "0",
+                 "eval.at_end": "false", "checkpoint.interval": "0", "logging.interval": "1"}
+    args = [a for key, value in overrides.items() for a in (f"--{key}", value)]
+    env = dict(os.environ, CONFIG="swa_gdn2_tiny", OUT_DIR=str(run), OMP_NUM_THREADS="1")
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gres=none", "--cpus-per-task=1", "--time=1",
+         "--signal=USR1@45", f"--output={log}", str(ROOT / "scripts" / "pretrain_1.3B.sh"), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        # USR1 45 s before the one-minute limit: the trainer saves, requeues, and the job goes back to pending
+        _wait("the requeue", lambda: "job requeued" in (log.read_text() if log.exists() else ""), 240, log)
+        saved = list_checkpoints(run / "checkpoints")
+        assert len(saved) == 1
+        first_stop = saved[0][0]
+        _wait("the job pending again", lambda: _state(job) == "PENDING", 60, log)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now", "TimeLimit=10"], check=True)
+        _wait("the resumed job training", lambda: max(_train_steps(run), default=0) >= first_stop + 5, 180, log)
+        subprocess.run(["scancel", "--signal=INT", job], check=True)
+        _wait("the job to end", lambda: _state(job) not in ("RUNNING", "PENDING", "COMPLETING"), 120, log)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    text = log.read_text()
+    assert f"resumed from {run / 'checkpoints' / f'step-{first_stop:09d}'}" in text
+    assert "(interrupted)" in text and text.count("job requeued") == 1  # Ctrl-C stops without a requeue
+    assert _state(job).startswith("COMPLETED")
+    final = list_checkpoints(run / "checkpoints")[-1][0]
+    steps = _train_steps(run)
+    assert steps == list(range(1, final + 1))  # every step once: the crashed tail replaced, nothing skipped
+
+    # the same recipe uninterrupted gives the same losses
+    recipe = load_recipe("swa_gdn2_tiny", dict(overrides, **{"train.stop_at_step": str(final)}),
+                         out_dir=str(tmp_path / "whole"))
+    fit(recipe)
+    whole = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl") if r["kind"] == "train"}
+    split = {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"}
+    for step in range(1, final + 1):
+        assert split[step] == pytest.approx(whole[step], rel=1e-5), step
