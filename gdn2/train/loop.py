@@ -23,6 +23,7 @@ from gdn2.train.checkpoint import (Checkpointer, list_checkpoints, load_checkpoi
                                    set_rng_state, supersede_newer)
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
+from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
 from gdn2.train.setup import (RunLock, build_fabric, build_model_and_optimizer, check_resume_compatible,
@@ -217,8 +218,11 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
         peak = peak_bf16_flops(device_name)
         if peak is None:
             log.warning("no dense bf16 peak known for %r: MFU is not logged (set --logging.peak_flops)", device_name)
-    metrics = MetricsLog(out_dir, enabled=rank0, jsonl=recipe.logging.jsonl, tensorboard=recipe.logging.tensorboard,
-                         resume_step=state.step if resume_path is not None else None)
+    lg = recipe.logging
+    metrics = MetricsLog(out_dir, enabled=rank0, jsonl=lg.jsonl, tensorboard=lg.tensorboard,
+                         resume_step=state.step if resume_path is not None else None, csv=lg.csv, wandb=lg.wandb,
+                         wandb_project=lg.wandb_project, wandb_mode=lg.wandb_mode, run_name=out_dir.name,
+                         config=recipe.sections_dict())
     validator = Validator(fabric, model, recipe, metrics, plan.max_steps)
     lm_evaluator = LmEvaluator(fabric, model, recipe, metrics, plan.max_steps)
     checkpointer = Checkpointer(fabric, recipe, model, optimizer, state, train_loader, plan.max_steps, resume_path)
@@ -230,6 +234,7 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                disable=not (rank0 and recipe.logging.progress_bar and sys.stderr.isatty()))
     train_log = TrainLog(metrics, recipe.logging.interval, plan.max_steps, state.step, fabric.world_size, fpt, peak,
                          fabric.device, bar, console=rank0 and bar.disable)
+    profiler = StepProfiler(recipe.train.profile_steps, out_dir, fabric.global_rank)
     batches = iter(train_loader)
     last_step_time = 0.0
     stop_reason = "finished"
@@ -240,12 +245,14 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                 break
             out_of_time = budget is not None and time.time() - started + last_step_time >= budget
             lr = cosine_with_warmup(state.step, recipe.optimizer.lr, plan.warmup_steps, plan.max_steps, plan.min_lr)
+            profiler.before_step(state.step + 1)
             t0 = time.perf_counter()
             out = train_step(fabric, model, optimizer, batches, plan, lr, recipe.train.grad_clip,
                              recipe.train.loss_chunk_tokens, want_requeue=signals.requeue_wanted,
                              want_stop=signals.received == "SIGINT" or out_of_time)
             last_step_time = time.perf_counter() - t0
             state.step += 1
+            profiler.after_step(state.step, end=state.step == plan.max_steps)
             state.tokens += plan.tokens_per_step
             bar.update(1)
             train_log.add(out.loss, out.skipped, last_step_time, plan.tokens_per_step)

@@ -1,4 +1,5 @@
-"""Training metrics: the devices' dense bf16 peaks for MFU, TensorBoard and a JSONL log (rank 0)."""
+"""Training metrics: the devices' dense bf16 peaks for MFU; the metrics log (JSONL, TensorBoard, CSV,
+Weights & Biases; rank 0); the per-interval training record."""
 
 from __future__ import annotations
 
@@ -60,18 +61,24 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Metrics sinks of one run, active on rank 0 only: ``metrics.jsonl`` and TensorBoard.
+    """Metrics sinks of one run, active on rank 0 only: ``metrics.jsonl`` (every record, as written),
+    and through Lightning Fabric's logger classes TensorBoard (``tensorboard/``), CSV
+    (``csv/metrics.csv``) and Weights & Biases (``wandb/``; ``offline`` mode needs no network, and
+    ``wandb sync`` uploads it later).
 
     On resume from step ``S``, records after ``S`` (written by the run that crashed after its last
-    checkpoint) are dropped from both sinks, so each step appears once.
+    checkpoint) are dropped from the JSONL, CSV and TensorBoard logs, so each step appears once; the
+    W&B run is continued under the id kept in ``wandb/run_id``.
     """
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
-                 resume_step: Optional[int] = None) -> None:
+                 resume_step: Optional[int] = None, csv: bool = False, wandb: bool = False,
+                 wandb_project: str = "gdn2", wandb_mode: str = "online", run_name: Optional[str] = None,
+                 config: Optional[dict[str, Any]] = None) -> None:
         self.enabled = enabled
         self.jsonl_path: Optional[Path] = None
         self._file = None
-        self._writer = None
+        self.loggers: list[Any] = []
         if not enabled:
             return
         out = Path(out_dir)
@@ -84,36 +91,89 @@ class MetricsLog:
                 self.jsonl_path.unlink()  # a fresh run in a used folder starts a fresh log
             self._file = open(self.jsonl_path, "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from lightning.fabric.loggers import TensorBoardLogger
 
             purge = resume_step + 1 if resume_step is not None else None
-            self._writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
+            self.loggers.append(TensorBoardLogger(root_dir=str(out), name="", version="tensorboard",
+                                                  default_hp_metric=False, purge_step=purge))
+        if csv:
+            from lightning.fabric.loggers import CSVLogger
+
+            table = out / "csv" / "metrics.csv"
+            if table.exists():
+                if resume_step is None:
+                    table.unlink()
+                else:
+                    _truncate_csv_after(table, resume_step)
+            self.loggers.append(CSVLogger(root_dir=str(out), name="", version="csv", flush_logs_every_n_steps=1))
+        if wandb:
+            self.loggers.append(_wandb_logger(out / "wandb", wandb_project, wandb_mode, run_name or out.name,
+                                              resume_step is not None, config))
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
-        """Write one record: ``{"kind", "step", **metrics}``; numeric values also go to TensorBoard."""
+        """Write one record: ``{"kind", "step", **metrics}``; numeric values also go to the loggers, named
+        ``<kind>/<key>`` (keys that hold a ``/`` already as they are)."""
         if not self.enabled:
             return
         if self._file is not None:
             record = {"kind": kind, "step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
             self._file.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
-                    self._writer.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
+        numbers = {key if "/" in key else f"{kind}/{key}": float(value) for key, value in metrics.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None}
+        if numbers:
+            for logger in self.loggers:
+                logger.log_metrics(numbers, step=step)
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
-        if self._writer is not None:
-            self._writer.flush()
+        for logger in self.loggers:
+            logger.save()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for logger in self.loggers:
+            logger.finalize("success")
+        self.loggers = []
+
+
+def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
+    """A Weights & Biases logger in ``folder``; a resumed run continues the W&B run it started."""
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError("logging.wandb: the wandb package is not installed (pip install wandb)") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / "run_id"
+    if resuming and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        import uuid
+
+        run_id = uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+    logger = WandbLogger(project=project, name=name, save_dir=str(folder), id=run_id, offline=mode == "offline",
+                         resume="allow", config=config)
+    _ = logger.experiment  # start the run now: a bad setting fails before training, not at the first log
+    return logger
+
+
+def _truncate_csv_after(path: Path, step: int) -> None:
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+        fields = list(rows[0].keys()) if rows else []
+    kept = [r for r in rows if r.get("step") not in (None, "") and int(float(r["step"])) <= step]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, path)
 
 
 def _truncate_jsonl_after(path: Path, step: int) -> None:

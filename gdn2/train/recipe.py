@@ -51,6 +51,8 @@ class TrainConfig:
     max_consecutive_nonfinite: int = _opt(5, "stop with an error after more than this many optimizer steps "
                                              "in a row skipped for a non-finite loss or gradient norm")
     loss_chunk_tokens: int = _opt(8192, "the fp32 cross-entropy runs over this many tokens at a time")
+    profile_steps: Optional[str] = _opt(None, "record these optimizer steps with torch.profiler ('10-12' or '7'), "
+                                              "a trace per rank in <out_dir>/profile/")
 
 
 @dataclass
@@ -116,6 +118,10 @@ class LoggingConfig:
     interval: int = _opt(10, "log train metrics every this many optimizer steps")
     tensorboard: bool = _opt(True, "write TensorBoard events to <out_dir>/tensorboard")
     jsonl: bool = _opt(True, "append metrics to <out_dir>/metrics.jsonl")
+    csv: bool = _opt(False, "also write <out_dir>/csv/metrics.csv (Fabric's CSVLogger)")
+    wandb: bool = _opt(False, "also log to Weights & Biases (pip install wandb), files in <out_dir>/wandb")
+    wandb_project: str = _opt("gdn2", "Weights & Biases project")
+    wandb_mode: str = _opt("online", "online, or offline (no network; upload later with wandb sync)")
     progress_bar: bool = _opt(True, "tqdm progress bar with ETA on rank 0")
     peak_flops: Optional[float] = _opt(None, "dense bf16 peak FLOP/s of one device for MFU; null: look "
                                              "up the device name")
@@ -153,6 +159,7 @@ _CHOICES = {
     ("distributed", "strategy"): ("auto", "fsdp", "ddp"),
     ("distributed", "sharding"): ("auto", "full", "hybrid", "grad_op"),
     ("checkpoint", "state_dict_type"): ("sharded", "full"),
+    ("logging", "wandb_mode"): ("online", "offline"),
 }
 
 
@@ -315,6 +322,9 @@ def _validate(recipe: Recipe) -> None:
     need(t.max_consecutive_nonfinite >= 0, "train.max_consecutive_nonfinite",
          f"must be >= 0, got {t.max_consecutive_nonfinite}")
     need(t.loss_chunk_tokens > 0, "train.loss_chunk_tokens", f"must be positive, got {t.loss_chunk_tokens}")
+    from gdn2.train.profile import parse_steps
+
+    parse_steps(t.profile_steps)
 
     need(o.lr > 0 and math.isfinite(o.lr), "optimizer.lr", f"must be positive, got {o.lr}")
     need(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optimizer.betas",
