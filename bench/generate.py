@@ -18,14 +18,8 @@ One run does, in order (each stage writes what it has to the JSON before the nex
    host-side stop checks included (run between the decode timings, see the plan in ``main``).
 
 Time budget: each stage has an expected cost; a stage that would end after ``--budget`` seconds
-(default 160) is skipped and listed as such, so the run ends within 3 minutes on an H200 even when
-the last admitted stage overruns. The estimate: the previous version of this script took 120 s on
-the H200 (2 compiles of 8-13 s; 6 decode timings, the two eager ones 308 steps of 28-34 ms, 19 s
-together). Added here: the batch-1 compile check (~15 s, reused by the timings and Generator), 2
-more compiles (~13 s each) and 6 more timings (a CUDA-graph timing is 308 steps of 2-7 ms, ~2 s);
-the eager timings now take 68 steps (~2 s each, 11 s saved); the fp32 reference is built on the
-GPU: about 145 s in all. The last stage of the plan, the unfused compiled step at batch 64, is the
-one the budget cuts first (it was measured before: 4.92 ms, README).
+(default 160) is skipped and listed as such, so that the run ends within about 3 minutes on an H200.
+The stages run in the order of the plan in ``main``, the most telling first.
 
 Prints a table and writes JSON to $OUT/generate_bench.json (./bench_out when OUT is unset).
 
@@ -451,8 +445,7 @@ def main() -> int:
     for batch, length in prefill_sizes:
         stage(f"prefill_b{batch}", 10, time_prefill, model, batch, length, big.rows(batch))
 
-    # the most telling first; a batch size not compiled yet costs a compile (~15 s); what the budget
-    # cuts first is the last: the unfused compiled step at the large batch, measured before (README)
+    # the most telling first, since the budget cuts from the end; a batch size not compiled yet costs a compile
     B = big_batch
     plan = [(1, "graph+compile", True, 3), (1, "graph", True, 3), (1, "graph", False, 3),
             (1, "graph+compile", False, 15), (B, "graph", True, 3), (B, "graph", False, 3),

@@ -135,6 +135,11 @@ def extend(model: GPT, idx: torch.Tensor, cache: InferenceCache) -> torch.Tensor
 # Fused decode weights
 # --------------------------------------------------------------------------------------------------
 
+def _first_stage(layer: GatedDeltaNet2) -> list[torch.nn.Linear]:
+    """The projections of the layer input, in the row order of ``FusedGDN2.in_proj``."""
+    return [layer.q_proj, layer.k_proj, layer.v_proj, layer.b_proj, layer.w_proj, layer.f_proj[0], layer.g_proj[0]]
+
+
 @dataclass
 class FusedGDN2:
     """Copies of one GDN-2 layer's input projections in a layout for few-token steps: the seven input
@@ -152,36 +157,42 @@ class FusedGDN2:
     value_dim: int
 
     @classmethod
-    @torch.no_grad()
     def of(cls, layer: GatedDeltaNet2) -> "FusedGDN2":
-        first = [layer.q_proj, layer.k_proj, layer.v_proj, layer.b_proj, layer.w_proj, layer.f_proj[0],
-                 layer.g_proj[0]]
-        f1, g1 = layer.f_proj[1], layer.g_proj[1]
-        ref = layer.q_proj.weight
-        dtype = ref.dtype
+        """New buffers in this layout, filled from ``layer``'s parameters (in their dtype and device)."""
+        ref, first = layer.q_proj.weight, _first_stage(layer)
         names = ("q_proj", "k_proj", "v_proj", "b_proj", "w_proj", "f_proj.0", "g_proj.0", "f_proj.1", "g_proj.1")
-        for name, lin in zip(names, first + [f1, g1]):
-            if lin.weight.dtype != dtype or lin.weight.device != ref.device:
+        for name, lin in zip(names, first + [layer.f_proj[1], layer.g_proj[1]]):
+            if lin.weight.dtype != ref.dtype or lin.weight.device != ref.device:
                 raise ValueError(f"layer {layer.layer_idx}: {name}.weight is {lin.weight.dtype} on "
-                                 f"{lin.weight.device}, q_proj.weight {dtype} on {ref.device}: the fused "
+                                 f"{lin.weight.device}, q_proj.weight {ref.dtype} on {ref.device}: the fused "
                                  "decode projections need one dtype and device")
             if lin in first and lin.bias is not None:
                 raise ValueError(f"layer {layer.layer_idx}: {name} has a bias, which the fused input GEMM omits")
-        in_proj = torch.cat([lin.weight for lin in first], dim=0)
-        r, Kd, Vd = f1.in_features, layer.key_dim, layer.value_dim
-        low_rank = in_proj.new_zeros(Kd + Vd, 2 * r)
-        low_rank[:Kd, :r] = f1.weight
-        low_rank[Kd:, r:] = g1.weight
-        low_rank_bias = torch.cat([in_proj.new_zeros(Kd) if f1.bias is None else f1.bias.to(dtype),
-                                   in_proj.new_zeros(Vd) if g1.bias is None else g1.bias.to(dtype)])
-        conv = torch.cat([c.weight for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)]).to(dtype)
-        return cls(in_proj, low_rank, low_rank_bias, conv, Kd, Vd)
+        Kd, Vd, r = layer.key_dim, layer.value_dim, layer.f_proj[1].in_features
+        fused = cls(ref.new_empty(3 * Kd + 2 * Vd + 2 * r, ref.shape[1]), ref.new_zeros(Kd + Vd, 2 * r),
+                    ref.new_zeros(Kd + Vd), ref.new_empty(2 * Kd + Vd, 1, layer.conv_size), Kd, Vd)
+        fused.copy_from(layer)
+        return fused
+
+    @torch.no_grad()
+    def copy_from(self, layer: GatedDeltaNet2) -> None:
+        """Copy ``layer``'s parameters into these buffers (the zero blocks stay zero)."""
+        f1, g1 = layer.f_proj[1], layer.g_proj[1]
+        Kd, r = self.key_dim, f1.in_features
+        torch.cat([lin.weight for lin in _first_stage(layer)], dim=0, out=self.in_proj)
+        self.low_rank[:Kd, :r].copy_(f1.weight)
+        self.low_rank[Kd:, r:].copy_(g1.weight)
+        for bias, part in ((f1.bias, self.low_rank_bias[:Kd]), (g1.bias, self.low_rank_bias[Kd:])):
+            if bias is not None:
+                part.copy_(bias)
+        for conv, part in zip((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d),
+                              self.conv.split([Kd, Kd, self.value_dim])):
+            part.copy_(conv.weight)
 
     @staticmethod
     def sources(layer: GatedDeltaNet2) -> list[torch.Tensor]:
-        """The parameters :meth:`of` copies."""
-        linears = [layer.q_proj, layer.k_proj, layer.v_proj, layer.b_proj, layer.w_proj, layer.f_proj[0],
-                   layer.g_proj[0], layer.f_proj[1], layer.g_proj[1]]
+        """The parameters :meth:`copy_from` copies."""
+        linears = _first_stage(layer) + [layer.f_proj[1], layer.g_proj[1]]
         return ([p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
                 + [layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight])
 
@@ -211,17 +222,25 @@ class BlockWeights:
     mixer: Optional[FusedGDN2] = None  # GDN-2 blocks; attention's qkv is one matrix already
 
     @classmethod
-    @torch.no_grad()
     def of(cls, block: Block) -> "BlockWeights":
         w1, w2 = block.mlp.w1.weight, block.mlp.w2.weight
         if w1.dtype != w2.dtype or w1.device != w2.device:
             raise ValueError(f"mlp: w1.weight ({w1.dtype}, {w1.device}) and w2.weight ({w2.dtype}, {w2.device}) "
                              "differ in dtype or device")
-        return cls(torch.cat([w1, w2], dim=0), FusedGDN2.of(block.mixer) if block.kind == "gdn2" else None)
+        fused = cls(w1.new_empty(w1.shape[0] + w2.shape[0], w1.shape[1]),
+                    FusedGDN2.of(block.mixer) if block.kind == "gdn2" else None)
+        fused.copy_from(block)
+        return fused
+
+    @torch.no_grad()
+    def copy_from(self, block: Block) -> None:
+        torch.cat([block.mlp.w1.weight, block.mlp.w2.weight], dim=0, out=self.mlp_in)
+        if self.mixer is not None:
+            self.mixer.copy_from(block.mixer)
 
     @staticmethod
     def sources(block: Block) -> list[torch.Tensor]:
-        """The parameters :meth:`of` copies."""
+        """The parameters :meth:`copy_from` copies."""
         mixer = FusedGDN2.sources(block.mixer) if block.kind == "gdn2" else []
         return mixer + [block.mlp.w1.weight, block.mlp.w2.weight]
 
@@ -230,8 +249,9 @@ class BlockWeights:
 
 
 def _signature(tensors: list[torch.Tensor]) -> tuple:
-    """What changes when a tensor is written in place (version counter) or replaced (identity, memory)."""
-    return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.shape, t.device) for t in tensors)
+    """Per tensor its layout (dtype, shape, device: what the fused buffers depend on), then what changes
+    when it is written in place (version counter) or replaced (identity, memory)."""
+    return tuple(((t.dtype, t.shape, t.device), id(t), t.data_ptr(), t._version) for t in tensors)
 
 
 class DecodeWeights:
@@ -262,23 +282,19 @@ class DecodeWeights:
                              "make them again with DecodeWeights(model)")
         return [i for i, b in enumerate(blocks) if _signature(BlockWeights.sources(b)) != self._signatures[i]]
 
-    @torch.no_grad()
     def refresh(self) -> bool:
-        """Copy every block again. Returns True when some tensor had to be reallocated (its shape,
-        dtype or device changed): steps captured over the old tensors, e.g. CUDA graphs, must then be
-        captured again; False when every copy went into its old buffer."""
+        """Copy every block again, into its old buffers while its parameters keep their shapes, dtypes
+        and devices. Returns True when some block had to be reallocated: steps captured over the old
+        tensors, e.g. CUDA graphs, must then be captured again."""
         reallocated = False
         for i, block in enumerate(self.model.transformer.h):
-            fresh = BlockWeights.of(block)
-            old, new = self.blocks[i].tensors(), fresh.tensors()
-            if len(old) == len(new) and all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                                             for a, b in zip(old, new)):
-                for a, b in zip(old, new):
-                    a.copy_(b)
+            signature = _signature(BlockWeights.sources(block))
+            if [s[0] for s in signature] == [s[0] for s in self._signatures[i]]:
+                self.blocks[i].copy_from(block)
             else:
-                self.blocks[i] = fresh
+                self.blocks[i] = BlockWeights.of(block)
                 reallocated = True
-            self._signatures[i] = _signature(BlockWeights.sources(block))
+            self._signatures[i] = signature
         return reallocated
 
     def nbytes(self) -> int:

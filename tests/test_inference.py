@@ -4,8 +4,8 @@ weights are copies that follow the parameters; the compiled decode step traces w
 import pytest
 import torch
 
-from gdn2.layers.attention import AttentionCache
 from gdn2.inference import DecodeWeights, InferenceCache, compiled_block_step, decode_step, extend, prefill
+from gdn2.layers.attention import AttentionCache
 from decode_helpers import tiny_decoding_model
 
 # Windows of 6 keys wrap the ring buffer; GDN-2 inputs of <= 4 tokens take the recurrent kernel, longer

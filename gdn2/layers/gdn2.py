@@ -169,7 +169,7 @@ class GatedDeltaNet2(nn.Module):
             raise ValueError("packed prompts need cu_seqlens and a cache to fill")
         if cache is not None and cu_seqlens is not None and not packed:
             raise ValueError("cu_seqlens cannot be combined with a decoding cache")
-        if fused is None:
+        if fused is None:  # each projection just before its first use, as the training forward runs them
             pre = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
             taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
             tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
