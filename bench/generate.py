@@ -2,7 +2,7 @@
 
 One run does, in order (each stage writes what it has to the JSON before the next one starts):
 1. correctness on the GPU: prompts of different lengths prefilled together, then decoded step by step
-   with the unfused and the fused decode step (``GPT.prepare_decoding``), against full forward passes
+   with the unfused and the fused decode step (``DecodeWeights``), against full forward passes
    (relative error of the logits, bf16), judged against the error of the bf16 full forward pass itself
    against fp32; the captured CUDA graph of the fused step against its eager run; the compiled fused
    step (batch 1, the graphs the timings reuse) against the eager fused step and the full forward;
@@ -18,14 +18,8 @@ One run does, in order (each stage writes what it has to the JSON before the nex
    host-side stop checks included (run between the decode timings, see the plan in ``main``).
 
 Time budget: each stage has an expected cost; a stage that would end after ``--budget`` seconds
-(default 160) is skipped and listed as such, so the run ends within 3 minutes on an H200 even when
-the last admitted stage overruns. The estimate: the previous version of this script took 120 s on
-the H200 (2 compiles of 8-13 s; 6 decode timings, the two eager ones 308 steps of 28-34 ms, 19 s
-together). Added here: the batch-1 compile check (~15 s, reused by the timings and Generator), 2
-more compiles (~13 s each) and 6 more timings (a CUDA-graph timing is 308 steps of 2-7 ms, ~2 s);
-the eager timings now take 68 steps (~2 s each, 11 s saved); the fp32 reference is built on the
-GPU: about 145 s in all. The last stage of the plan, the unfused compiled step at batch 64, is the
-one the budget cuts first (it was measured before: 4.92 ms, README).
+(default 160) is skipped and listed as such, so that the run ends within about 3 minutes on an H200.
+The stages run in the order of the plan in ``main``, the most telling first.
 
 Prints a table and writes JSON to $OUT/generate_bench.json (./bench_out when OUT is unset).
 
@@ -54,8 +48,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from gdn2.config import Config  # noqa: E402
-from gdn2.generate import CapturedDecodeStep, Generator  # noqa: E402
-from gdn2.model import GPT, DecodeWeights, InferenceCache, compiled_block_step  # noqa: E402
+from gdn2.generation import CapturedDecodeStep, Generator  # noqa: E402
+from gdn2.inference import (DecodeWeights, InferenceCache, compiled_block_step, decode_step,  # noqa: E402
+                            prefill)
+from gdn2.model import GPT  # noqa: E402
 
 START = time.time()
 RESULTS: dict = {"stages": {}, "errors": {}, "skipped": {}}
@@ -125,13 +121,13 @@ def decode_run(model: GPT, seqs: list[torch.Tensor], lengths: list[int], extra: 
                weights: Optional[DecodeWeights] = None, step: Optional[Callable] = None,
                cache: Optional[InferenceCache] = None) -> list[torch.Tensor]:
     """Ragged prefill of ``seqs[r][:lengths[r]]``, then ``extra`` steps feeding the known tokens.
-    ``step(tokens)`` replaces the eager ``model.decode_step`` (a captured graph). Logits per step."""
+    ``step(tokens)`` replaces the eager ``decode_step`` (a captured graph). Logits per step."""
     cache = cache or InferenceCache(model, len(seqs), max_length=256)
     cache.reset()
-    out = [model.prefill([s[:n] for s, n in zip(seqs, lengths)], cache)]
+    out = [prefill(model, [s[:n] for s, n in zip(seqs, lengths)], cache)]
     for j in range(extra):
         tokens = torch.stack([s[n + j] for s, n in zip(seqs, lengths)])
-        logits = step(tokens) if step is not None else model.decode_step(tokens, cache, weights=weights)
+        logits = step(tokens) if step is not None else decode_step(model, tokens, cache, weights)
         out.append(logits.clone())
     return out
 
@@ -141,7 +137,7 @@ def check_correctness(model: GPT) -> dict:
     V = model.config.vocab_size
     lengths, extra = [37, 64, 1], 8
     seqs = [torch.randint(0, V, (n + extra,), device=DEVICE) for n in lengths]
-    weights = model.prepare_decoding()
+    weights = DecodeWeights(model)
     unfused = decode_run(model, seqs, lengths, extra)
     fused = decode_run(model, seqs, lengths, extra, weights)
     # bf16 rounding alone: the same full forward pass in bf16 against fp32 (weights upcast)
@@ -179,7 +175,7 @@ def check_compiled(model: GPT) -> dict:
     V = model.config.vocab_size
     lengths, extra = [37], 8
     seqs = [torch.randint(0, V, (n + extra,), device=DEVICE) for n in lengths]
-    weights = model.prepare_decoding()
+    weights = DecodeWeights(model)
     # the attention ring as long as in the timings and in Generator, so that they reuse this compile
     cache = InferenceCache(model, 1, max_length=model.config.block_size)
     eager = decode_run(model, seqs, lengths, extra, weights, cache=cache)
@@ -187,7 +183,7 @@ def check_compiled(model: GPT) -> dict:
     if DEVICE.type == "cuda":
         step = CapturedDecodeStep(model, cache, block_step=compiled, weights=weights)
     else:
-        step = lambda tok: model.decode_step(tok, cache, compiled, weights)  # noqa: E731
+        step = lambda tok: decode_step(model, tok, cache, weights, compiled)  # noqa: E731
     got = decode_run(model, seqs, lengths, extra, step=step, cache=cache)
     full = model(seqs[0][None])[0]
     vs_eager = max(rel_err(g, e) for g, e in zip(got, eager))
@@ -283,7 +279,7 @@ def time_prefill(model: GPT, batch: int, length: int, cache: InferenceCache) -> 
     times = []
     for i in range(6):
         cache.reset()
-        t = timed(lambda: model.prefill(ps, cache))
+        t = timed(lambda: prefill(model, ps, cache))
         if i >= 2:
             times.append(t)
     t = statistics.median(times)
@@ -298,13 +294,13 @@ def time_decode(model: GPT, cache: InferenceCache, variant: str, fused: bool, st
     weights = weights if fused else None
     block_step = compiled_block_step() if variant == "graph+compile" else None
     if variant == "eager":
-        step = lambda tok: model.decode_step(tok, cache, None, weights)  # noqa: E731
+        step = lambda tok: decode_step(model, tok, cache, weights)  # noqa: E731
     elif DEVICE.type == "cuda":
         step = CapturedDecodeStep(model, cache, block_step=block_step, weights=weights)
     else:  # the CPU smoke run: compiled, without a graph
-        step = lambda tok: model.decode_step(tok, cache, block_step, weights)  # noqa: E731
+        step = lambda tok: decode_step(model, tok, cache, weights, block_step)  # noqa: E731
     cache.reset()
-    logits = model.prefill(prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache)
+    logits = prefill(model, prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache)
     tok = logits.argmax(-1)
     for _ in range(8):
         tok = step(tok).argmax(-1)
@@ -341,9 +337,9 @@ def profile_kernels(model: GPT, cache: InferenceCache, weights: DecodeWeights, s
             if on_cuda:
                 step = CapturedDecodeStep(model, cache, block_step=block_step, weights=w)
             else:
-                step = lambda tok: model.decode_step(tok, cache, block_step, w)  # noqa: E731
+                step = lambda tok: decode_step(model, tok, cache, w, block_step)  # noqa: E731
             cache.reset()
-            tok = model.prefill(prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache).argmax(-1)
+            tok = prefill(model, prompts(B, prompt_len, model.config.vocab_size, ragged=True), cache).argmax(-1)
             for _ in range(3):
                 tok = step(tok).argmax(-1)
             sync()
@@ -382,7 +378,7 @@ def end_to_end(model: GPT, new_tokens: int, prompt_len: int = 128) -> dict:
         cache.reset()
         sync()
         t0 = time.perf_counter()
-        model.prefill([torch.tensor(prompt, device=DEVICE)], cache)
+        prefill(model, [torch.tensor(prompt, device=DEVICE)], cache)
         sync()
         t1 = time.perf_counter()
         out = gen.generate([prompt], max_new_tokens=new_tokens)
@@ -437,7 +433,7 @@ def main() -> int:
         save()
         raise
     RESULTS["env"]["parameters"] = model.num_parameters()
-    weights = model.prepare_decoding()
+    weights = DecodeWeights(model)
     RESULTS["env"]["fused_weight_copies_bytes"] = weights.nbytes()
     stage("correctness", 25, check_correctness, model)
     stage("correctness_compiled_b1", 20, check_compiled, model)
@@ -449,8 +445,7 @@ def main() -> int:
     for batch, length in prefill_sizes:
         stage(f"prefill_b{batch}", 10, time_prefill, model, batch, length, big.rows(batch))
 
-    # the most telling first; a batch size not compiled yet costs a compile (~15 s); what the budget
-    # cuts first is the last: the unfused compiled step at the large batch, measured before (README)
+    # the most telling first, since the budget cuts from the end; a batch size not compiled yet costs a compile
     B = big_batch
     plan = [(1, "graph+compile", True, 3), (1, "graph", True, 3), (1, "graph", False, 3),
             (1, "graph+compile", False, 15), (B, "graph", True, 3), (B, "graph", False, 3),

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 # the data-preparation workers re-import this file and must stay light.
 COMMANDS = {
     "pretrain": ("gdn2.train.cli", "main", "train a model from a named config or YAML recipe"),
-    "generate": ("gdn2.generate", "main", "generate text from a checkpoint"),
+    "generate": ("gdn2.generation.cli", "main", "generate text from a checkpoint"),
     "eval": ("gdn2.evaluation.run", "main", "score a checkpoint with lm-eval tasks"),
     "compare": ("gdn2.evaluation.compare", "main", "compare run folders: table and picture"),
     "tokenizer": ("gdn2.data.train_tokenizer", "main", "train a SentencePiece tokenizer"),

@@ -5,10 +5,6 @@ import torch
 from gdn2.config import Config
 from gdn2.model import GPT
 
-# hybrid with a window shorter than the test sequences, pure GDN-2, full attention
-DECODE_MODELS = [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)), ("gdn2_tiny", {}),
-                 ("transformer_tiny", {})]
-
 
 def tiny_decoding_model(name, **kw):
     """A 2-layer float64 model (vocab 256) in eval mode; the head is scaled so greedy choices are far
@@ -27,25 +23,3 @@ def greedy_by_full_forward(model, prompt, n):
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt):]
-
-
-def assert_compiled_decode_matches_eager(model, compiled_step, weights=None, steps=8):
-    """Prefill two prompts into two caches, then decode ``steps`` tokens with the eager and the compiled
-    block step: logits and every cache tensor must agree (the window of 6 wraps the ring buffer)."""
-    from gdn2.model import InferenceCache
-
-    prompts = [torch.randint(0, 256, (n,)) for n in (5, 9)]
-    eager_cache, compiled_cache = InferenceCache(model, 2, max_length=32), InferenceCache(model, 2, max_length=32)
-    tokens = torch.tensor([3, 4])
-    with torch.no_grad():
-        model.prefill(prompts, eager_cache)
-        model.prefill(prompts, compiled_cache)
-        for _ in range(steps):
-            expected = model.decode_step(tokens, eager_cache, weights=weights)
-            got = model.decode_step(tokens, compiled_cache, block_step=compiled_step, weights=weights)
-            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-            tokens = expected.argmax(-1)
-    for a, b in zip(eager_cache.layers, compiled_cache.layers):
-        for name, t in vars(a).items():
-            if torch.is_tensor(t):
-                torch.testing.assert_close(getattr(b, name), t, atol=1e-12, rtol=0)

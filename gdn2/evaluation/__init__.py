@@ -14,7 +14,7 @@ Scoring conventions:
   logits of the position before it, in fp32.
 - ``loglikelihood_rolling``: lm-eval's rolling windows of ``max_length`` tokens made disjoint, so
   every token is predicted exactly once; all windows of all documents are batched together.
-- ``generate_until``: :class:`gdn2.generate.Generator` (packed prefill, cached decoding, CUDA graphs).
+- ``generate_until``: :class:`gdn2.generation.Generator` (packed prefill, cached decoding, CUDA graphs).
 - Data parallel: under torchrun (or an initialised process group) each rank takes every
   ``world_size``-th request, as lm-eval's other backends do.
 """
@@ -38,7 +38,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from gdn2.generate import Generator, SamplingParams, load_model, parse_dtype
+from gdn2.checkpoint import load_model, parse_dtype
+from gdn2.generation import Generator, SamplingParams
 from gdn2.model import GPT
 from gdn2.tokenizer import Tokenizer
 

@@ -98,14 +98,24 @@ class CausalSelfAttention(nn.Module):
                               full_attention=self.window is None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[AttentionCache] = None, packed: Optional["PackedPrompts"] = None) -> torch.Tensor:
+                cache: Optional[AttentionCache] = None, packed: Optional["PackedPrompts"] = None,
+                step: Optional[DecodeContext] = None) -> torch.Tensor:
         """x: [B,T,d]; positions: [T] absolute positions (RoPE, cache slots).
 
-        ``packed`` (with ``cu_seqlens`` and an empty ``cache``): the prompts of a batch packed into one
-        row; after attending as separate documents, each prompt's keys/values go to its cache row."""
+        ``cache`` is updated in place. ``packed`` (with ``cu_seqlens`` and an empty ``cache``): the
+        prompts of a batch packed into one row; after attending as separate documents, each prompt's
+        keys/values go to its cache row. ``step`` (T == 1, with ``cache``): one token per row at the
+        rows' own positions, through one op that rotates q and k, writes the ring slot and attends
+        (``gdn2::ring_decode_attention``); no host synchronisation, so a CUDA graph can capture it.
+        """
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_size
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = self.qkv(x)
+        if step is not None:
+            o = ring_decode_attention(qkv.reshape(B, -1), step.cos, step.sin, cache.k, cache.v, cache.positions,
+                                      step.slot, step.column, step.visible, H)
+            return self.proj(o.reshape(B, 1, H * D))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         cos, sin = rope_tables(positions, D, self.rope_base)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -121,7 +131,7 @@ class CausalSelfAttention(nn.Module):
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens cannot be combined with a decoding cache")
-            # decoding / continued prefill: the cached keys, then the new ones, masked by position
+            # continued prefill: the cached keys, then the new ones, masked by position
             keys = torch.cat([cache.k.to(k.dtype), k], dim=1)
             values = torch.cat([cache.v.to(v.dtype), v], dim=1)
             kpos = torch.cat([cache.positions, positions])
@@ -147,20 +157,3 @@ class CausalSelfAttention(nn.Module):
         cache.k[rows, slots] = k[keep].to(cache.k.dtype)
         cache.v[rows, slots] = v[keep].to(cache.v.dtype)
         cache.positions[slots] = cols
-
-    def decode_step(self, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache) -> torch.Tensor:
-        """One new token per row, with every cache update in place and no host synchronisation, so a
-        CUDA graph can capture it. x: [B,1,d] -> [B,1,d]; ``ctx`` carries the RoPE tables, the ring
-        slot and the visibility mask of this step (see ``GPT.decode_step``)."""
-        return self.proj(self.decode_attend(x, ctx, cache))
-
-    def decode_attend(self, x: torch.Tensor, ctx: DecodeContext, cache: AttentionCache) -> torch.Tensor:
-        """:meth:`decode_step` without the output projection: x [B,1,d] -> heads [B,1,n_head*head_size]
-        (the fused block step applies ``proj`` together with the residual add). After the qkv GEMM, one
-        op (``gdn2::ring_decode_attention``) rotates q and k, writes the new key and value to the ring
-        slot and attends over the visible slots."""
-        B = x.shape[0]
-        qkv = self.qkv(x).reshape(B, -1)
-        o = ring_decode_attention(qkv, ctx.cos, ctx.sin, cache.k, cache.v, cache.positions, ctx.slot, ctx.column,
-                                  ctx.visible, self.n_head)
-        return o.reshape(B, 1, self.n_head * self.head_size)

@@ -1,13 +1,10 @@
 """What one decode step shares across layers, and its two in-place cache updates as custom ops.
 
-``GPT.decode_step`` computes the RoPE tables and the attention mask once per step (every attention
-layer has the same window, head size and ring-buffer layout) and hands them to the layers in a
-:class:`DecodeContext`. The steps that write into the cache (attention with its key/value slot write,
+``gdn2.inference.decode_step`` computes the RoPE tables and the attention mask once per step (every
+attention layer has the same window, head size and ring-buffer layout) and hands them to the layers in
+a :class:`DecodeContext`. The steps that write into the cache (attention with its key/value slot write,
 the GDN-2 state) are registered as custom ops that declare what they mutate, so ``torch.compile`` sees
 the whole step as one graph and still updates the cache in place, which a captured CUDA graph relies on.
-
-:func:`optimizer_step_count` lets the fused decode-time weight copies (``gdn2.model.DecodeWeights``)
-notice optimizer steps that bypass version counters (fused optimizers).
 """
 
 from __future__ import annotations
@@ -17,32 +14,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gdn2.ops import fused_recurrent_gdn2
 from gdn2.ops.decode_attention import ring_decode_attention_reference, ring_decode_attention_triton
-
-
-_optimizer_steps = 0
-_step_hook = None
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def optimizer_step_count() -> int:
-    """How many ``torch.optim`` optimizer steps this process has taken since the first call.
-
-    The first call registers a global post-step hook (an integer increment per step). Fused optimizers
-    (``AdamW(fused=True)``, the trainer's default on CUDA) write the parameters without bumping their
-    version counters, so this count is how copies of the weights learn that they may be stale.
-    """
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-    return _optimizer_steps
 
 
 @dataclass
@@ -91,8 +65,9 @@ def _ring_decode_attention_fake(qkv, cos, sin, k_cache, v_cache, positions, slot
 @torch.library.custom_op("gdn2::recurrent_decode", mutates_args=("state",))
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
                      w: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One GDN-2 step with the recurrent kernel (q, k L2-normalised inside): q, k, g, b [B,1,H,K];
-    v, w [B,1,HV,V]; state fp32 [B,HV,K,V] advanced in place. Returns o [B,1,HV,V] in q's dtype."""
+    """GDN-2 over a few tokens with the recurrent kernel (q, k L2-normalised inside): q, k, g, b
+    [B,T,H,K]; v, w [B,T,HV,V]; state fp32 [B,HV,K,V] advanced in place. Returns o [B,T,HV,V] in
+    q's dtype."""
     o, _ = fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=state, use_qk_l2norm_in_kernel=True,
                                 inplace_final_state=True)
     return o

@@ -459,7 +459,7 @@ def default_consolidated_dir(checkpoint: Path) -> Path:
 def write_consolidated(path: Path, out: Path) -> dict[str, Any]:
     """Consolidate checkpoint ``path`` into ``out/model.pt``, with the resolved recipe
     (``out/config.yaml``) and the run's tokenizer (``out/tokenizer.model``, when found) beside it."""
-    from gdn2.generate import find_run_tokenizer
+    from gdn2.checkpoint import find_run_tokenizer
 
     consolidated = consolidate_checkpoint(path)
     out.mkdir(parents=True, exist_ok=True)

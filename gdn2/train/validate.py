@@ -80,7 +80,7 @@ def full_model_copy(fabric, model, config) -> GPT:
 def run_lm_eval(fabric, model, recipe: Recipe) -> dict[str, float]:
     """lm-eval tasks (``lm_eval`` section) on the live model; every rank takes part, rank 0 logs."""
     from gdn2.evaluation import evaluate_model
-    from gdn2.generate import find_run_tokenizer
+    from gdn2.checkpoint import find_run_tokenizer
 
     cfg = recipe.lm_eval
     tokenizer = cfg.tokenizer or find_run_tokenizer(recipe.sections_dict(), [Path.cwd()])

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gdn2.checkpoint import load_model
 import gdn2.evaluation  # noqa: F401  registers "gdn2"
 from gdn2.evaluation import GDN2LM, evaluate_model, summarize
-from gdn2.generate import load_model
 from gdn2.model import GPT
 from decode_helpers import greedy_by_full_forward
 

@@ -99,7 +99,8 @@ def test_decode_on_the_kernel_equals_the_full_forward(monkeypatch, name, kw):
     """The model's decode steps (fused and not) with the attention layers on the kernel, fp32,
     ragged prompts, a window that wraps the ring: the logits of the full forward pass."""
     from gdn2.config import Config
-    from gdn2.model import GPT, InferenceCache
+    from gdn2.inference import DecodeWeights, InferenceCache, decode_step, prefill
+    from gdn2.model import GPT
 
     monkeypatch.setenv("GDN2_BACKEND", "triton")
     torch.manual_seed(0)
@@ -108,12 +109,12 @@ def test_decode_on_the_kernel_equals_the_full_forward(monkeypatch, name, kw):
     seqs = [torch.randint(0, 128, (n + steps,), device=DEVICE) for n in lengths]
     with torch.no_grad():
         full = [model(s[None])[0] for s in seqs]
-        for weights in (None, model.prepare_decoding()):
+        for weights in (None, DecodeWeights(model)):
             cache = InferenceCache(model, len(seqs), max_length=32)
-            logits = model.prefill([s[:n] for s, n in zip(seqs, lengths)], cache)
+            logits = prefill(model, [s[:n] for s, n in zip(seqs, lengths)], cache)
             for j in range(steps + 1):
                 for r, n in enumerate(lengths):
                     torch.testing.assert_close(logits[r], full[r][n - 1 + j], atol=1e-4, rtol=1e-4)
                 if j < steps:
                     tokens = torch.stack([s[n + j] for s, n in zip(seqs, lengths)])
-                    logits = model.decode_step(tokens, cache, weights=weights)
+                    logits = decode_step(model, tokens, cache, weights)

@@ -1,0 +1,3 @@
+from gdn2.generation.cli import main
+
+raise SystemExit(main())
