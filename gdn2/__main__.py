@@ -20,7 +20,7 @@ COMMANDS = {
     "tokenizer": ("gdn2.data.train_tokenizer", "main", "train a SentencePiece tokenizer"),
     "prepare": ("gdn2.data.prepare", "main", "tokenise a corpus into packed shards"),
     "corpus": ("gdn2.data.default_corpus", "main", "build the built-in corpus (no download)"),
-    "consolidate": ("gdn2.train.checkpoint", "consolidate_main", "turn a training checkpoint into one model.pt"),
+    "consolidate": ("gdn2.checkpoint", "consolidate_main", "turn a training checkpoint into one model.pt"),
 }
 
 

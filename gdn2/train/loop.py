@@ -19,8 +19,9 @@ import torch
 
 from gdn2.data import TrainLoader
 from gdn2.model import GPT, flops_per_token
-from gdn2.train.checkpoint import (Checkpointer, list_checkpoints, load_checkpoint, resolve_resume, resume_candidates,
-                                   set_rng_state, supersede_newer)
+from gdn2.checkpoint import (list_checkpoints, load_checkpoint, resolve_resume, resume_candidates, set_rng_state,
+                             supersede_newer)
+from gdn2.train.checkpointer import Checkpointer
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
 from gdn2.train.profile import StepProfiler

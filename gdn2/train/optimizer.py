@@ -12,22 +12,12 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from gdn2.checkpoint import bare_parameter_name
 from gdn2.train.recipe import OptimizerConfig
-
-# Name segments that Fabric, FSDP, activation checkpointing and torch.compile insert.
-# ("module" is DistributedDataParallel's.)
-_WRAPPER_SEGMENTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
-                               "_orig_mod", "module"})
-
-
-def clean_parameter_name(name: str) -> str:
-    """``name`` without wrapper segments: the name the parameter has in the bare model."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
-
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:
     """Names (in the bare ``model``) of the parameters exempt from weight decay."""
-    return {clean_parameter_name(n) for n, p in model.named_parameters()
+    return {bare_parameter_name(n) for n, p in model.named_parameters()
             if p.ndim < 2 or getattr(p, "_no_weight_decay", False)}
 
 
@@ -43,7 +33,7 @@ def parameter_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], no_de
     for name, p in named_parameters:
         if not p.requires_grad:
             continue
-        clean = clean_parameter_name(name)
+        clean = bare_parameter_name(name)
         seen.add(clean)
         (exempt if clean in no_decay else decay).append(p)
     missing = no_decay - seen

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -17,7 +18,7 @@ from gdn2.data import find_shards, read_manifest
 from gdn2.data.shards import PackedShardReader
 from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
-from gdn2.train.checkpoint import read_checkpoint_config, read_marker
+from gdn2.checkpoint import read_checkpoint_config, read_marker
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
 from gdn2.train.recipe import Recipe
 from gdn2.train.slurm import Topology, resolve_topology
@@ -40,6 +41,9 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     import lightning as L
     from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
 
+    # Lightning warns whenever srun is on PATH and the process was not started by it; the launcher is
+    # resolved here (resolve_topology), and a run on a SLURM login or CI node is not a mistake.
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     d = recipe.distributed
     topo = topology or resolve_topology(d.devices, d.num_nodes)
     accelerator = resolve_accelerator(d.accelerator)

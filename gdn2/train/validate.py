@@ -14,7 +14,7 @@ from gdn2.data import ValLoader
 from gdn2.model import GPT
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog
-from gdn2.train.optimizer import clean_parameter_name
+from gdn2.checkpoint import bare_parameter_name
 from gdn2.train.recipe import Recipe
 from gdn2.train.schedule import due
 from gdn2.train.setup import is_fsdp
@@ -68,9 +68,9 @@ def full_model_copy(fabric, model, config) -> GPT:
 
         with FSDP.summon_full_params(model.module, writeback=False):
             for name, p in model.named_parameters():
-                state[clean_parameter_name(name)] = p.detach().clone()
+                state[bare_parameter_name(name)] = p.detach().clone()
     else:
-        state = {clean_parameter_name(n): p.detach() for n, p in model.named_parameters()}
+        state = {bare_parameter_name(n): p.detach() for n, p in model.named_parameters()}
     with torch.device("meta"):
         plain = GPT(config)
     plain.load_state_dict(state, assign=True)

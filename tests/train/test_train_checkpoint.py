@@ -9,8 +9,8 @@ import yaml
 
 from gdn2.config import Config
 from gdn2.model import GPT
-import gdn2.train.checkpoint as checkpoint
-from gdn2.train.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
+import gdn2.checkpoint as checkpoint
+from gdn2.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
                                    prune_checkpoints, resolve_resume, save_checkpoint)
 from train_helpers import MICRO_MODEL
 

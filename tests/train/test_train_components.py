@@ -10,7 +10,8 @@ from gdn2.config import Config
 from gdn2.model import GPT
 from gdn2.train.loss import cross_entropy_fp32
 from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
-from gdn2.train.optimizer import build_optimizer, clean_parameter_name, no_weight_decay_names, parameter_groups
+from gdn2.checkpoint import bare_parameter_name
+from gdn2.train.optimizer import build_optimizer, no_weight_decay_names, parameter_groups
 from gdn2.train.recipe import OptimizerConfig
 from gdn2.train.schedule import cosine_with_warmup
 
@@ -52,9 +53,9 @@ def test_no_decay_on_gates_norms_and_biases():
 
 
 def test_wrapped_names_map_back():
-    assert clean_parameter_name("_forward_module._fsdp_wrapped_module.transformer.h.0._fsdp_wrapped_module."
+    assert bare_parameter_name("_forward_module._fsdp_wrapped_module.transformer.h.0._fsdp_wrapped_module."
                                 "_checkpoint_wrapped_module.mixer.A_log") == "transformer.h.0.mixer.A_log"
-    assert clean_parameter_name("module.lm_head.weight") == "lm_head.weight"
+    assert bare_parameter_name("module.lm_head.weight") == "lm_head.weight"
     p = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="not found"):
         parameter_groups([("a", p)], {"b"}, 0.1)

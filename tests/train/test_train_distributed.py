@@ -3,7 +3,7 @@ one process with the same global batch, per-rank checkpoint files, and exact res
 
 import pytest
 
-from gdn2.train.checkpoint import list_checkpoints
+from gdn2.checkpoint import list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe

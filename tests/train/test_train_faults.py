@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import gdn2.train.checkpoint as checkpoint
+import gdn2.checkpoint as checkpoint
 from gdn2.data import write_shard
-from gdn2.train.checkpoint import CorruptCheckpointError, consolidate_main, list_checkpoints
+from gdn2.checkpoint import CorruptCheckpointError, consolidate_main, list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -155,3 +155,14 @@ def test_a_full_disk_during_a_save_names_the_last_good_checkpoint(corpus, tmp_pa
                                       r"good checkpoint is .*step-000000002"):
         run_fit(cfg, tmp_path / "run")
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+
+
+def test_a_damaged_consolidated_model_is_named_when_loaded(saved_run):
+    from gdn2.checkpoint import load_model
+
+    _, out = saved_run
+    assert consolidate_main([str(out / "checkpoints")]) == 0
+    assert (out / "final" / "model.pt.sha256").is_file()
+    flip_a_byte(out / "final" / "model.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"final/model.pt: content differs from the sha256"):
+        load_model(out / "final" / "model.pt")

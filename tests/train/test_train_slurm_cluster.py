@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gdn2.train.checkpoint import list_checkpoints
+from gdn2.checkpoint import list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -74,6 +74,8 @@ def test_usr1_requeue_resume_and_scancel_int(corpus, tmp_path):
         assert len(saved) == 1
         first_stop = saved[0][0]
         _wait("the job pending again", lambda: _state(job) == "PENDING", 60, log)
+        _wait("the node free of the first run", _cluster_idle, 60, log)  # or its restart is refused
+        time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now", "TimeLimit=10"], check=True)
         _wait("the resumed job training", lambda: max(_train_steps(run), default=0) >= first_stop + 5, 180, log)
         subprocess.run(["scancel", "--signal=INT", job], check=True)

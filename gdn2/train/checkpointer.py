@@ -1,0 +1,49 @@
+"""The trainer's checkpoint schedule: when to save, and what a save holds (see :mod:`gdn2.checkpoint`
+for the format)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from gdn2.checkpoint import rng_state, save_checkpoint
+from gdn2.train.schedule import due
+
+log = logging.getLogger("gdn2.train")
+
+
+class Checkpointer:
+    """The run's checkpoints: saves on the ``checkpoint`` section's schedule (never inside a run of
+    skipped steps, which would rotate out older good ones), and on demand (a signal, a stop)."""
+
+    def __init__(self, fabric: Any, recipe: Any, model: Any, optimizer: Any, state: Any, loader: Any,
+                 max_steps: int, last: Optional[Path] = None) -> None:
+        self.fabric, self.recipe, self.model, self.optimizer = fabric, recipe, model, optimizer
+        self.state, self.loader, self.max_steps = state, loader, max_steps
+        self.last = last  # the newest checkpoint of this run (the one resumed from, at first)
+
+    def save(self) -> Path:
+        c = self.recipe.checkpoint
+        trainer = {"model": self.model, "optimizer": self.optimizer, "trainer": self.state.state_dict()}
+        try:
+            self.last = save_checkpoint(
+                self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
+                rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
+                config_yaml=self.recipe.to_yaml(),
+                info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last)
+        except OSError as error:  # a full disk, most often: say what is safe
+            raise OSError(error.errno, f"{error.strerror or error} while saving the checkpoint of step "
+                                       f"{self.state.step} in {self.recipe.checkpoint_dir}; the last good checkpoint "
+                                       f"is {self.last or 'none (none was written yet)'}", error.filename) from error
+        if self.fabric.global_rank == 0:
+            log.info("saved checkpoint %s", self.last)
+        return self.last
+
+    def maybe_save(self, step: int, end: bool = False) -> Optional[Path]:
+        c = self.recipe.checkpoint
+        if not due(c.interval, c.at_end, step, self.max_steps, end):
+            return None
+        if not end and self.state.consecutive_nonfinite:
+            return None
+        return self.save()
