@@ -21,6 +21,7 @@ COMMANDS = {
     "prepare": ("gdn2.data.prepare", "main", "tokenise a corpus into packed shards"),
     "corpus": ("gdn2.data.default_corpus", "main", "build the built-in corpus (no download)"),
     "consolidate": ("gdn2.checkpoint", "consolidate_main", "turn a training checkpoint into one model.pt"),
+    "hf": ("gdn2.hf.convert", "main", "export a checkpoint as a Hugging Face model folder, or import one"),
 }
 
 

@@ -1,0 +1,140 @@
+"""The Hugging Face bridge: an exported folder loads with AutoModelForCausalLM / AutoTokenizer where gdn2 is
+not importable, gives gdn2's logits and tokens, generates with a real recurrent cache (cached equals
+uncached, left padding honoured), runs under lm-eval's own hf model, and export -> import -> export is
+lossless."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gdn2.checkpoint import load_model
+from gdn2.config import Config
+from gdn2.hf.convert import export, import_folder, main
+from gdn2.model import GPT
+
+CONFIGS = ("swa_gdn2_tiny", "gdn2_tiny", "transformer_tiny")
+TEXT = "the model learns a state\n\nwith gates and decay"
+
+# Run where gdn2 cannot be imported: only transformers, torch and sentencepiece.
+WITHOUT_GDN2 = """
+import sys
+sys.modules["gdn2"] = None
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+text, out = sys.argv[1], {}
+for folder in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    ids = tok(text, return_tensors="pt").input_ids
+    short = tok("the model", return_tensors="pt").input_ids
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=2)
+    cached = model.generate(ids, use_cache=True, **greedy)
+    uncached = model.generate(ids, use_cache=False, **greedy)
+    pad = ids.shape[1] - short.shape[1]
+    batch = torch.cat([torch.cat([torch.full((1, pad), 2), short], 1), ids])
+    mask = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(short)], 1),
+                      torch.ones_like(ids)])
+    together = model.generate(batch, attention_mask=mask, use_cache=True, **greedy)
+    alone = model.generate(short, use_cache=True, **greedy)
+    out[folder] = {"ids": ids[0].tolist(), "logits": model(ids).logits[0].tolist(), "cached": cached[0].tolist(),
+                   "uncached": uncached[0].tolist(), "padded_row": together[0, pad:].tolist(),
+                   "alone": alone[0].tolist(), "decoded": tok.decode(ids[0])}
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A consolidated checkpoint (model.pt + tokenizer.model) per tiny config, random weights."""
+    from gdn2.data.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("gdn2_ckpt")
+    words = "the model learns a state with gates and decay over tokens in every layer".split()
+    sentences = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 20)) + "\n" for i in range(1500)]
+    tokenizer = train_tokenizer(sentences, root / "tokenizer.model", vocab_size=300, seed=1)
+    found = {}
+    for name in CONFIGS:
+        window = 8 if name.startswith("swa") else None
+        config = Config.from_name(name, vocab_size=300, block_size=64, sliding_window=window)
+        torch.manual_seed(0)
+        model = GPT(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20.0)  # far from ties, so greedy choices are stable
+        (root / name).mkdir()
+        torch.save({"model": model.state_dict(), "config": config.to_dict(), "step": 7, "tokens": 700},
+                   root / name / "model.pt")
+        (root / name / "tokenizer.model").write_bytes(tokenizer.read_bytes())
+        found[name] = root / name / "model.pt"
+    return found
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: export(path, root / name) for name, path in checkpoints.items()}
+
+
+def test_loads_without_gdn2_with_its_logits_tokens_and_cache(checkpoints, exported, tmp_path):
+    result = tmp_path / "result.pt"
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_GDN2, TEXT, str(result), *map(str, exported.values())],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(result)
+    for name, folder in exported.items():
+        r = got[str(folder)]
+        reference = load_model(checkpoints[name], device="cpu", dtype="float32")
+        assert r["ids"] == reference.tokenizer.encode(TEXT) and r["decoded"] == TEXT
+        with torch.no_grad():
+            logits = reference.model(torch.tensor([r["ids"]]))[0]
+        torch.testing.assert_close(torch.tensor(r["logits"]), logits, rtol=0, atol=1e-4)
+        assert r["cached"] == r["uncached"], name  # the recurrent cache changes nothing
+        alone = r["alone"]  # it may stop at EOS before the batch does, whose later tokens are then padding
+        assert r["padded_row"][:len(alone)] == alone and set(r["padded_row"][len(alone):]) <= {2}, name
+        assert len(r["cached"]) == len(r["ids"]) + 12
+
+
+def test_export_import_export_is_lossless(checkpoints, exported, tmp_path):
+    from safetensors.torch import load_file
+
+    name = "swa_gdn2_tiny"
+    back = import_folder(exported[name], tmp_path / "imported")
+    again = export(back, tmp_path / "again")
+    first, second = (load_file(str(f / "model.safetensors")) for f in (exported[name], again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    strip = lambda f: {k: v for k, v in json.loads((f / "config.json").read_text()).items()  # noqa: E731
+                       if k != "transformers_version"}
+    assert strip(exported[name]) == strip(again) and strip(again)["gdn2_step"] == 7
+    original = torch.load(checkpoints[name], weights_only=True)
+    restored = torch.load(back, weights_only=True)
+    assert restored["config"] == original["config"] and restored["step"] == 7
+    assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
+
+
+def test_lm_eval_hf_model_runs_on_the_folder(exported):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from gdn2.evaluation import make_task_manager
+
+    tasks = ["gdn2_local_mc", "gdn2_local_gen"]
+    lm = HFLM(pretrained=str(exported["swa_gdn2_tiny"]), trust_remote_code=True, dtype="float32", device="cpu",
+              batch_size=2)
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=2, task_manager=make_task_manager(tasks),
+                                      bootstrap_iters=0)
+    assert 0.0 <= results["results"]["gdn2_local_mc"]["acc,none"] <= 1.0
+    assert "exact_match,strip" in results["results"]["gdn2_local_gen"]
+
+
+def test_import_refuses_what_export_did_not_write(tmp_path, capsys):
+    from gdn2.commandline import run
+
+    (tmp_path / "bert").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        (tmp_path / "bert" / name).write_text("{}" if name == "config.json" else "")
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert run(main, ["import", "--model", str(tmp_path / "bert"), "--out", str(tmp_path / "o")], "gdn2 hf") == 2
+    assert "model_type 'bert', not a gdn2 model" in capsys.readouterr().err
