@@ -494,8 +494,22 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+# What a null default stands for, as --help shows it.
+_NULL_MEANS = {
+    ("eval", "micro_batch_size"): lambda r: f"train.micro_batch_size = {r.train.micro_batch_size}" if r
+    else "train.micro_batch_size",
+    ("optimizer", "fused"): lambda r: "true on CUDA, false on CPU",
+    ("checkpoint", "dir"): lambda r: f"{r.checkpoint_dir}" if r else "<out_dir>/checkpoints",
+    ("lm_eval", "tokenizer"): lambda r: "the tokenizer.model of the training data",
+    ("logging", "peak_flops"): lambda r: "from the device name",
+    ("distributed", "devices"): lambda r: "from SLURM / torchrun, else every GPU (1 on CPU)",
+    ("distributed", "num_nodes"): lambda r: "from SLURM / torchrun, else 1",
+}
+
+
 def options_help(recipe: Optional[Recipe] = None) -> str:
-    """Every ``--section.key`` with type, default (or the named config's value) and meaning."""
+    """Every ``--section.key`` with type, default (or the named config's value) and meaning; a null
+    default says what it stands for."""
     lines = []
     for section, cls in SECTIONS.items():
         lines.append(f"\n{section}:")
@@ -507,7 +521,10 @@ def options_help(recipe: Optional[Recipe] = None) -> str:
                 default = f.default
             else:
                 default = f.default_factory()  # type: ignore[misc]
-            lines.append(f"  --{section}.{f.name} ({_type_name(hints[f.name])}, default: {_fmt(default)})")
+            shown = _fmt(default)
+            if default is None and (section, f.name) in _NULL_MEANS:
+                shown = f"null, meaning {_NULL_MEANS[(section, f.name)](recipe)}"
+            lines.append(f"  --{section}.{f.name} ({_type_name(hints[f.name])}, default: {shown})")
             lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("\nmodel:")
     hints = typing.get_type_hints(Config)

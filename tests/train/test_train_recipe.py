@@ -112,7 +112,11 @@ def test_cli_help_lists_every_option(capsys):
             assert f"--{section}.{key} (" in out
     assert "default: 3407" in out and "--resume" in out and "--out_dir" in out
     assert cli.main(["--config", "swa_gdn2_tiny", "--help"]) == 0
-    assert "--train.max_steps (int | null, default: 400)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--train.max_steps (int | null, default: 400)" in out
+    # a null default says what it stands for
+    assert "--eval.micro_batch_size (int | null, default: null, meaning train.micro_batch_size = 4)" in out
+    assert "--optimizer.fused (bool | null, default: null, meaning true on CUDA, false on CPU)" in out
 
 
 @pytest.mark.parametrize("argv, needle", [
