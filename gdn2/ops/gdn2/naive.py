@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
