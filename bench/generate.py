@@ -216,7 +216,8 @@ def decode_attention_kernel(model: GPT, batches: tuple[int, ...]) -> dict:
     """The attention layers' decode op alone, on the model's shapes with a full ring: the Triton kernel
     (rotation, slot write and attention in one pass) against the torch path it replaced (RoPE, two
     index_copy_ and SDPA), time per call and the largest difference of their outputs."""
-    from gdn2.ops.decode_attention import ring_decode_attention_reference, ring_decode_attention_triton
+    from gdn2.ops import ring_decode_attention_reference
+    from gdn2.ops.decode_attention.ring import ring_decode_attention_triton
 
     c = model.config
     dtype = next(model.parameters()).dtype

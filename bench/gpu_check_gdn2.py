@@ -30,10 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from gdn2.ops import chunk_gdn2, fused_recurrent_gdn2  # noqa: E402
-from gdn2.ops.reference import chunk_gdn2_reference, recurrent_gdn2_reference  # noqa: E402
+from gdn2.ops import chunk_gdn2, chunk_gdn2_reference, fused_recurrent_gdn2, recurrent_gdn2_reference  # noqa: E402
+from gdn2.ops.gdn2.utils import EXACT_SPAN  # noqa: E402
 from gdn2.ops.testing import rel_err  # noqa: E402
-from gdn2.ops.gdn2_triton_utils import EXACT_SPAN  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
 DEV = "cuda"
@@ -344,7 +343,7 @@ def table(rows):
 # --------------------------------------------------------------------------------------------------
 
 def _kernels():
-    from gdn2.ops import gdn2_chunk_bwd as B_, gdn2_chunk_fwd as F_
+    from gdn2.ops.gdn2 import chunk_bwd as B_, chunk_fwd as F_
     return {"gdn2_intra_kernel": F_.gdn2_intra_kernel,
             "gdn2_fwd_scan_kernel": F_.gdn2_fwd_scan_kernel, "gdn2_state_scan_kernel": F_.gdn2_state_scan_kernel,
             "gdn2_prep_kernel": F_.gdn2_prep_kernel,

@@ -45,9 +45,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gdn2.ops.reference import sliding_window_attention_reference  # noqa: E402
-from gdn2.ops.swa import (BwdConfig, FwdConfig, default_configs, sliding_window_attention_triton,  # noqa: E402
-                          swa_backward, swa_backward_dkdv, swa_backward_dq, swa_forward)
+from gdn2.ops import sliding_window_attention_reference  # noqa: E402
+from gdn2.ops.swa.attention import (sliding_window_attention_triton, swa_backward, swa_backward_dkdv,  # noqa: E402
+                                    swa_backward_dq, swa_forward)
+from gdn2.ops.swa.configs import BwdConfig, FwdConfig, default_configs  # noqa: E402
 
 SHAPES = [dict(B=8, T=4096, H=18, D=128, W=2048), dict(B=2, T=16384, H=18, D=128, W=2048)]
 
@@ -113,7 +114,7 @@ def _smoke_setup():
 def _defaults():
     f, b = default_configs(ACC_D if DEVICE == "cpu" else 128, torch.device(DEVICE))
     if DEVICE == "cpu":  # the interpreter's defaults are tiny already; sweep around 16 x 16 tiles
-        f, b = FwdConfig(16, 16, 4, 1), BwdConfig(16, 16, 4, 1, False, 16, 16, 4, 1, dq_from_ds=True,
+        f, b = FwdConfig(16, 16, 4, 1), BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, dq_from_ds=True,
                                                   ds_block_m=16, ds_num_stages=1)
     return f, b
 

@@ -27,8 +27,8 @@ for p in (ROOT, os.path.join(ROOT, "bench")):
         sys.path.insert(0, p)
 
 from gdn2.ops import chunk_gdn2  # noqa: E402
-from gdn2.ops import gdn2_chunk_bwd as bwd_mod  # noqa: E402
-from gdn2.ops import gdn2_chunk_fwd as fwd_mod  # noqa: E402
+from gdn2.ops.gdn2 import chunk_bwd as bwd_mod  # noqa: E402
+from gdn2.ops.gdn2 import chunk_fwd as fwd_mod  # noqa: E402
 from gpu_check_gdn2 import gpu_inputs  # noqa: E402
 from profiling import kernel_times  # noqa: E402
 
@@ -98,26 +98,25 @@ def main():
     for short in args.kernels.split(","):
         mod, attr, configs = SWEEPS[short]
         kern = getattr(mod, attr)
-        saved = (kern.configs, kern.direct, kern.pick)
         ref = None
         rows = []
         for c in configs:
             if time.time() - t0 > args.budget_s:
                 print(f"[{short}] budget reached", flush=True)
                 break
-            kern.configs, kern.direct, kern.pick = [c], True, None
             label = f"{short} {c.kwargs} w{c.num_warps} s{c.num_stages}" + (f" r{c.maxnreg}" if c.maxnreg else "")
             ts = time.time()
             try:
-                o = step().detach().float()
-                grads = torch.cat([x.grad.float().flatten() for x in leaves])
-                if ref is None:
-                    ref = (o, grads)
-                    diff = 0.0
-                else:
-                    diff = max(((o - ref[0]).norm() / ref[0].norm()).item(),
-                               ((grads - ref[1]).norm() / ref[1].norm()).item())
-                ms, total = kernel_ms(step, attr)
+                with kern.pinned(c):
+                    o = step().detach().float()
+                    grads = torch.cat([x.grad.float().flatten() for x in leaves])
+                    if ref is None:
+                        ref = (o, grads)
+                        diff = 0.0
+                    else:
+                        diff = max(((o - ref[0]).norm() / ref[0].norm()).item(),
+                                   ((grads - ref[1]).norm() / ref[1].norm()).item())
+                    ms, total = kernel_ms(step, attr)
                 rows.append((ms, label, diff))
                 res[label] = {"kernel_ms": round(ms, 4), "fwdbwd_sum_ms": round(total, 4), "rel_diff": diff,
                               "first_call_s": round(time.time() - ts, 1)}
@@ -129,7 +128,6 @@ def main():
                 print(f"{label:60s} FAILED {type(e).__name__}", flush=True)
             with open(os.path.join(OUT, "sweep_gdn2.json"), "w") as f:
                 json.dump(res, f, indent=1)
-        kern.configs, kern.direct, kern.pick = saved
         ok = [r for r in rows if r[2] < 1e-2]
         if ok:
             best = min(ok)

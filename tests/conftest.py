@@ -1,5 +1,6 @@
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,25 @@ for path in (ROOT, ROOT / "tests"):  # the package, and helper modules shared by
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def ops_settings():
+    """Override gdn2.ops's environment switches for one test: ``ops_settings(backend="triton")`` (fields
+    of ``gdn2.ops.backend.Settings``); the switches read before the test come back after it."""
+    from gdn2.ops.backend import override
+
+    with ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(override(**changes))

@@ -18,8 +18,7 @@ from gdn2.config import Config
 from gdn2.layers.decoding import DecodeContext, ring_decode_attention
 from gdn2.layers.fused import apply_rope
 from gdn2.layers.init import Linear
-from gdn2.ops import sliding_window_attention
-from gdn2.ops.reference import sliding_window_attention_reference
+from gdn2.ops import sliding_window_attention, sliding_window_attention_reference
 
 if TYPE_CHECKING:
     from gdn2.layers.packed import PackedPrompts

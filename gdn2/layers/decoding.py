@@ -9,14 +9,12 @@ the whole step as one graph and still updates the cache in place, which a captur
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from gdn2.ops import fused_recurrent_gdn2
-from gdn2.ops.decode_attention import ring_decode_attention_reference, ring_decode_attention_triton
+from gdn2.ops import fused_recurrent_gdn2, ring_decode_attention as ring_decode_attention_op
 
 
 @dataclass
@@ -29,17 +27,6 @@ class DecodeContext:
     sin: Optional[torch.Tensor] = None
 
 
-def _decode_attention_backend(device: torch.device) -> str:
-    """'triton' on CUDA, 'torch' elsewhere; ``GDN2_BACKEND=torch`` / ``triton`` chooses (the Triton
-    kernel runs on the CPU under ``TRITON_INTERPRET=1``)."""
-    choice = os.environ.get("GDN2_BACKEND")
-    if choice == "torch":
-        return "torch"
-    if choice == "triton" or device.type == "cuda":
-        return "triton"
-    return "torch"
-
-
 @torch.library.custom_op("gdn2::ring_decode_attention", mutates_args=("k_cache", "v_cache", "positions"))
 def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, column: torch.Tensor,
@@ -49,11 +36,7 @@ def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     query attending to the slots ``visible`` marks. qkv [B, (n_head + 2*Hkv) * D]; cos, sin fp32
     [B, D]; k_cache, v_cache [B, C, Hkv, D]; positions int64 [C]; slot int64 [1]; column int64 0-d;
     visible bool [B, C]. Returns o [B, n_head * D]. See ``gdn2.ops.decode_attention``."""
-    if _decode_attention_backend(qkv.device) == "triton":
-        return ring_decode_attention_triton(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
-                                            n_head)
-    return ring_decode_attention_reference(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
-                                           n_head)
+    return ring_decode_attention_op(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible, n_head)
 
 
 @ring_decode_attention.register_fake

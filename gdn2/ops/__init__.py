@@ -1,231 +1,26 @@
-"""Public operator API: one dispatch point per operator.
+"""Public operator API: one entry point per operator, each with its torch oracle.
 
-Layout ``[B, T, H, D]`` everywhere. Backends:
+Layout ``[B, T, H, D]`` everywhere. One folder per operator (``gdn2``, ``swa``, ``decode_attention``),
+each with its entry point (``api``), its Triton kernels and its oracle (``naive``). Backend choice and
+every environment switch live in ``gdn2.ops.backend``:
 
-- GDN-2 (``chunk_gdn2``, ``fused_recurrent_gdn2``): our Triton kernels on CUDA, the torch oracle
-  otherwise.
-- ``sliding_window_attention``: flash-attn when installed and the inputs are on CUDA, else our
-  Triton kernel on CUDA, else the torch path.
+- GDN-2 (``chunk_gdn2``, ``fused_recurrent_gdn2``) and ``ring_decode_attention``: our Triton kernels on
+  CUDA, the torch path otherwise.
+- ``sliding_window_attention``: flash-attn when installed and the inputs are on CUDA, else our Triton
+  kernel on CUDA, else the torch path.
 
 ``GDN2_BACKEND=triton|torch|flash`` (or the ``backend=`` argument) forces a backend; ``triton`` on CPU
-tensors works under ``TRITON_INTERPRET=1``, which is how CI tests the kernels without a GPU.
+tensors works under ``TRITON_INTERPRET=1``, which is how CI tests the kernels without a GPU. Importing
+this package does not import Triton.
 """
 
-from __future__ import annotations
-
-import importlib.util
-import os
-from typing import Optional
-
-import torch
-
-from gdn2.ops import reference
-from gdn2.ops.reference import chunk_gdn2_reference, l2norm, recurrent_gdn2_reference  # noqa: F401
-
-MAX_HEAD_DIM = 256
-BACKENDS = ("triton", "torch", "flash")
+from gdn2.ops.backend import select_backend
+from gdn2.ops.decode_attention import ring_decode_attention, ring_decode_attention_reference
+from gdn2.ops.gdn2 import chunk_gdn2, chunk_gdn2_reference, fused_recurrent_gdn2, l2norm, recurrent_gdn2_reference
+from gdn2.ops.swa import sliding_window_attention, sliding_window_attention_reference
 
 __all__ = [
-    "chunk_gdn2", "fused_recurrent_gdn2", "sliding_window_attention", "select_backend",
-    "chunk_gdn2_reference", "recurrent_gdn2_reference", "l2norm",
+    "chunk_gdn2", "fused_recurrent_gdn2", "sliding_window_attention", "ring_decode_attention", "select_backend",
+    "chunk_gdn2_reference", "recurrent_gdn2_reference", "l2norm", "sliding_window_attention_reference",
+    "ring_decode_attention_reference",
 ]
-
-
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def select_backend(op: str, device: torch.device, backend: Optional[str] = None) -> str:
-    """The backend ``op`` ('gdn2' or 'swa') runs on for tensors on ``device``."""
-    choice = backend or os.environ.get("GDN2_BACKEND") or None
-    if choice is not None:
-        if choice not in BACKENDS:
-            raise ValueError(f"GDN2_BACKEND / backend must be one of {BACKENDS}, got {choice!r}")
-        if choice == "flash" and op != "swa":
-            return "triton" if device.type == "cuda" else "torch"
-        return choice
-    if device.type != "cuda":
-        return "torch"
-    if op == "swa" and _has("flash_attn"):
-        return "flash"
-    return "triton"
-
-
-# --------------------------------------------------------------------------------------------------
-# GDN-2
-# --------------------------------------------------------------------------------------------------
-
-def check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path: bool) -> None:
-    """Raise ValueError naming the argument for any input the GDN-2 operators cannot take."""
-    named = dict(q=q, k=k, v=v, g=g, b=b, w=w)
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 [B, T, H, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    for name, t in named.items():
-        if t.shape[:2] != (B, T):
-            raise ValueError(f"{name} has batch/length {tuple(t.shape[:2])}, q has {(B, T)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if w.shape != v.shape:
-        raise ValueError(f"w must have v's shape {tuple(v.shape)}, got {tuple(w.shape)}")
-    if HV % H != 0:
-        raise ValueError(f"v has {HV} heads, not a multiple of q's {H} heads")
-    for name in ("g", "b"):
-        t = named[name]
-        if t.shape[2] not in (H, HV) or t.shape[3] != K:
-            raise ValueError(f"{name} must be [B, T, {H} or {HV}, {K}], got {tuple(t.shape)}")
-    if K > MAX_HEAD_DIM:
-        raise ValueError(f"q/k head dim K={K} exceeds the supported maximum {MAX_HEAD_DIM}")
-    if V > MAX_HEAD_DIM:
-        raise ValueError(f"v head dim V={V} exceeds the supported maximum {MAX_HEAD_DIM}")
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least two offsets")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} .. {cu[-1]}")
-        if any(a >= c for a, c in zip(cu[:-1], cu[1:])):
-            raise ValueError("cu_seqlens must be strictly increasing")
-        N = len(cu) - 1
-    if initial_state is not None:
-        allowed = (torch.float32, torch.float64) if (torch_path and v.dtype == torch.float64) else (torch.float32,)
-        if initial_state.dtype not in allowed:
-            raise ValueError(f"initial_state must be float32, got {initial_state.dtype}")
-        if tuple(initial_state.shape) != (N, HV, K, V):
-            raise ValueError(f"initial_state must have shape {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
-
-
-def chunk_gdn2(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
-    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Chunked GDN-2 (training and prefill).
-
-    q, k, b: [B,T,H,K]; g: [B,T,H,K] natural-log decay (<= 0, fp32 or bf16); v, w: [B,T,HV,V];
-    initial_state: fp32 [N,HV,K,V] (N = B, or the number of sequences in ``cu_seqlens``, which
-    needs B == 1). ``scale`` defaults to K**-0.5. Returns ``o`` [B,T,HV,V] in q's dtype and the fp32
-    final state when ``output_final_state``. Differentiable in every tensor input.
-    """
-    be = select_backend("gdn2", q.device, backend)
-    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if be == "triton":
-        from gdn2.ops.chunk import chunk_gdn2_triton
-
-        return chunk_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens)
-    return chunk_gdn2_reference(q, k, v, g, b, w, scale, initial_state, output_final_state,
-                                use_qk_l2norm_in_kernel, cu_seqlens)
-
-
-def fused_recurrent_gdn2(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
-    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None, inplace_final_state: bool = False,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Token-recurrent GDN-2 (decoding). Same arguments as :func:`chunk_gdn2`.
-
-    ``inplace_final_state=True`` writes the final state into ``initial_state`` (which must be given)
-    and returns that tensor, so a decoding cache is updated without copies. Inference only on the
-    Triton path; the torch path is differentiable.
-    """
-    be = select_backend("gdn2", q.device, backend)
-    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
-    if inplace_final_state and initial_state is None:
-        raise ValueError("inplace_final_state=True needs an initial_state to update")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if be == "triton":
-        from gdn2.ops.recurrent import fused_recurrent_gdn2_triton
-
-        return fused_recurrent_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
-                                           use_qk_l2norm_in_kernel, cu_seqlens, inplace_final_state)
-    o, final = recurrent_gdn2_reference(q, k, v, g, b, w, scale, initial_state,
-                                        output_final_state or inplace_final_state,
-                                        use_qk_l2norm_in_kernel, cu_seqlens)
-    if inplace_final_state:
-        with torch.no_grad():
-            initial_state.copy_(final)
-        return o, initial_state
-    return o, final
-
-
-# --------------------------------------------------------------------------------------------------
-# Sliding-window attention
-# --------------------------------------------------------------------------------------------------
-
-def check_swa_inputs(q, k, v, window, cu_seqlens) -> None:
-    for name, t in dict(q=q, k=k, v=v).items():
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a rank-4 tensor [B, T, H, D], got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    B, T, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(f"k must be [B={B}, T={T}, Hkv, D={D}], got {tuple(k.shape)}")
-    if H % k.shape[2] != 0:
-        raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({k.shape[2]})")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (keys seen, the query included) or None, got {window!r}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        cu = cu_seqlens.tolist()
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(a >= c for a, c in zip(cu[:-1], cu[1:])):
-            raise ValueError(f"cu_seqlens must increase strictly from 0 to T={T}, got {cu}")
-
-
-def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int], scale: Optional[float] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-) -> torch.Tensor:
-    """Causal sliding-window attention.
-
-    q: [B,T,H,D]; k, v: [B,T,Hkv,D] (H a multiple of Hkv). ``window`` is the number of keys a query
-    sees, itself included: query i attends to keys j with ``i - window < j <= i`` (flash-attn
-    ``window_size=(window - 1, 0)``); ``window=None`` is full causal attention. ``cu_seqlens`` (int32
-    [N+1], B == 1) keeps packed documents apart. ``scale`` defaults to D**-0.5. Returns [B,T,H,D] in
-    q's dtype.
-    """
-    check_swa_inputs(q, k, v, window, cu_seqlens)
-    be = select_backend("swa", q.device, backend)
-    if be == "flash":
-        return _flash_attn(q, k, v, window, scale, cu_seqlens)
-    if be == "triton":
-        from gdn2.ops.swa import sliding_window_attention_triton
-
-        return sliding_window_attention_triton(q, k, v, window, scale, cu_seqlens)
-    return reference.sliding_window_attention_torch(q, k, v, window, scale, cu_seqlens)
-
-
-def _flash_attn(q, k, v, window, scale, cu_seqlens):
-    from flash_attn import flash_attn_func, flash_attn_varlen_func
-
-    ws = (-1, 0) if window is None else (window - 1, 0)
-    if cu_seqlens is None:
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=ws)
-    cu = cu_seqlens.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    o = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_len, max_len, softmax_scale=scale,
-                               causal=True, window_size=ws)
-    return o.unsqueeze(0)

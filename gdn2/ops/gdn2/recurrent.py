@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_l2norm import L2NORM_EPS
-from gdn2.ops.gdn2_triton_utils import padded
+from gdn2.ops.gdn2.naive import L2NORM_EPS
+from gdn2.ops.gdn2.utils import padded
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def fused_recurrent_gdn2_triton(
         if inplace_final_state:
             raise ValueError("inplace_final_state=True overwrites initial_state and cannot be used while "
                              "gradients are required; call under torch.no_grad() or drop inplace_final_state")
-        from gdn2.ops.chunk import chunk_gdn2_triton
+        from gdn2.ops.gdn2.chunk import chunk_gdn2_triton
 
         return chunk_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, cu_seqlens)
@@ -110,10 +110,7 @@ def fused_recurrent_gdn2_triton(
             else cu_seqlens.to(device=q.device, dtype=torch.int32)
     VP = padded(V)
     # Few (sequence, head) pairs: split V finer so that more programs share the state traffic. One warp
-    # per 4096 state elements (128 fp32 registers a thread). Measured on the H200 (T = 1, H = 16,
-    # K = V = 128, GPU time per call from a CUDA graph): batch 1 3.5 -> 3.0 us (BV 32 / 2 warps ->
-    # BV 16 / 1 warp), batch 64 40.7 -> 38.4 us and batch 256 146.8 -> 136.8 us (BV 64 / 4 warps ->
-    # BV 32 / 1 warp; floor 31.6 / 126.5 us)
+    # per 4096 state elements (128 fp32 registers a thread); the sweep behind it is in bench/NOTES.md
     BV = min(VP, 16 if N * HV < 1024 else 32)
     warps = max(1, padded(K) * BV // 4096)
     gdn2_recurrent_kernel[(triton.cdiv(V, BV), N * HV)](

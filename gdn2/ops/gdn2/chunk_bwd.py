@@ -29,11 +29,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_chunk_fwd import (BWD_SCAN_CONFIGS, LOG2E, bwd_scan_config, load_sub_chunk_raw, sub_chunk_factors,
+from gdn2.ops.gdn2.chunk_fwd import (BWD_SCAN_CONFIGS, LOG2E, bwd_scan_config, load_sub_chunk_raw, sub_chunk_factors,
                                      widen_sub_chunk)
-from gdn2.ops.gdn2_triton_utils import (chunk_bounds, exp2_nonpos, flag_at, key_block_at, key_block_program,
-                                        load_block, load_rows, row_of, scan_chunk, scan_program, steep_flags,
-                                        store_chunk_state, store_rows, tuned)
+from gdn2.ops.gdn2.utils import (chunk_bounds, exp2_nonpos, flag_at, key_block_at, key_block_program,
+                                 load_block, load_rows, row_of, scan_chunk, scan_program, steep_flags,
+                                 store_chunk_state, store_rows, tuned)
 
 
 @tuned(BWD_SCAN_CONFIGS, key=["H", "K", "V", "SIZE"], clip={"BV": "VP"}, pick=bwd_scan_config)
@@ -78,8 +78,7 @@ def gdn2_bwd_scan_kernel(qg, y, kt, aqk, gcl, do, dht, dhbuf, dr, dh0, cu, chunk
     tl.store(dh0 + p_s, b_dh, mask=m_kv)
 
 
-# pinned first; measured at 8 x 4096 x 16 (H200, bf16): BV 128 / 4 warps / 3 stages 0.38 ms,
-# BV 64 / 4 warps 0.45 ms, BV 32 / 4 warps 0.54 ms, BV 64 / 8 warps 0.65 ms
+# pinned first (bench/sweep_gdn2.py; timings in bench/NOTES.md)
 _WY_CONFIGS = [
     triton.Config({"BV": 128}, num_warps=4, num_stages=3),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
@@ -274,11 +273,8 @@ def qkbg_finish(q, k, b, amat, hbuf, dhbuf, do, r, dr, dq, dk, db, dg, scale, b_
     tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=msk)
 
 
-# pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program); measured at
-# 8 x 4096 x 16 (H200, bf16), both sides' four launches together: BK 32 / 1 warp 1.41 ms (2 stages
-# equal), BK 16 / 1 warp 2.22 ms, BK 32 / 2 warps 2.43 ms; a register cap (maxnreg 192 / 160 / 128, more
-# programs per SM, more spills) 1.57 / 1.49 / 1.71 ms. Fused sides (one launch storing all three): 1.54 ms.
-# With each sub-chunk's loads issued together: 1 stage 1.19 ms, 2 / 3 stages 1.20 / 1.21
+# pinned first (see gdn2_intra_kernel: [16, 16] products want one warp per program; timings in
+# bench/NOTES.md)
 _BWD_INTRA_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=1),
     triton.Config({"BK": 16}, num_warps=2, num_stages=1),
@@ -303,8 +299,8 @@ def gdn2_bwd_intra_kernel(q, k, b, g, daqk, dtm, dqi, dbki, dki, steep, cu, chun
 
     Each launch does one side of every pair (i, j): SIDE 0 the row side (dqi, dbki), walking the
     sub-chunks in order; SIDE 1 the column side (dki), one sub-chunk j at a time against every later
-    one, so that one dk tile is live. Both sides in one kernel spilled and took 1.54 ms against 1.35 for
-    the four launches; apart, neither spills, at the price of reloading the inputs.
+    one, so that one dk tile is live. Apart, neither side spills, at the price of reloading the inputs
+    (both sides in one kernel spilled and were slower: bench/NOTES.md, v8).
     """
     N0 = NC * tl.cdiv(K, BK)  # programs per head of the first launch
     i_h = tl.program_id(1)
@@ -416,19 +412,8 @@ def intra_grad_rows(q, k, b, g, daqk, dtm, dqi, dbki, steep, cu, chunk_info, T, 
         tl.store(steep + i_h * N0 + p0, slow)
 
 
-# pinned first; measured at 8 x 4096 x 16 (H200, bf16, triton 3.6): BK 32 / BV 64 / 4 warps / 3 stages
-# 1.59 ms (2 stages 1.63, 4 stages 2.56; 8 warps 2.54), BK 32 / BV 32 / 4 warps / 3 stages 1.69 ms,
-# BK 64 / BV 64 / 8 warps 1.83 ms with 3 stages, 1.87 with 2; BK 64 / BV 64 / 4 warps 2.68 ms; BK 128 /
-# BV 64 / 8 warps 2.72 ms. Before the intra-chunk part had its own kernel, BK 32 / BV 64 / 4 warps /
-# 1 stage gave wrong gradients there (relative error 0.13; right under the interpreter): a miscompile,
-# so that config is not offered, and the sweep and the accuracy check keep checking every other.
-# Loading the intra-chunk gradients after the value loop instead of before it (fewer live registers:
-# 76 B of spills instead of 300 at BK 64 / 8 warps) made it slower: 1.99 / 1.72 ms at the two best configs.
-# The opposite paid: q, k, b and A^T loaded before the value loop rather than after it, so the program
-# waits on global memory once instead of twice: 1.58 -> 1.39 ms (251 registers, no spills). Also
-# deferring the cumulative sum of g past the loop (every load in flight at once) gave 1.46 ms. With the
-# loads hoisted, BV 128 (one value step) miscompiles on Triton 3.6 (wrong gradients or an illegal
-# address): not offered.
+# pinned first (bench/sweep_gdn2.py; timings in bench/NOTES.md). Not offered: configs Triton 3.6
+# miscompiles here (BK 32 / BV 64 / 4 warps / 1 stage, and BV 128, one value step: wrong gradients)
 _QKBG_CONFIGS = [
     triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=3),
     triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=3),

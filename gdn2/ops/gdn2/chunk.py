@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 import triton
 
-from gdn2.ops.gdn2_chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
+from gdn2.ops.gdn2.chunk_bwd import (gdn2_bwd_intra_kernel, gdn2_bwd_qkbg_kernel, gdn2_bwd_scan_kernel,
                                      gdn2_bwd_wy_kernel)
-from gdn2.ops.gdn2_chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_prep_kernel, gdn2_state_scan_kernel
-from gdn2.ops.gdn2_l2norm import l2norm_bwd, l2norm_fwd
-from gdn2.ops.gdn2_triton_utils import CHUNK, EXACT_SPAN, SUB, ChunkLayout, chunk_layout, dot_precision, padded
+from gdn2.ops.gdn2.chunk_fwd import gdn2_fwd_scan_kernel, gdn2_intra_kernel, gdn2_prep_kernel, gdn2_state_scan_kernel
+from gdn2.ops.gdn2.l2norm import l2norm_bwd, l2norm_fwd
+from gdn2.ops.gdn2.utils import CHUNK, EXACT_SPAN, SUB, ChunkLayout, chunk_layout, dot_precision, padded
 
 
 # chunks per window of the backward's state scan (see ``gdn2_state_scan_kernel``): windows, not
@@ -73,7 +73,7 @@ def chunk_operands(q, k, g, b, v, w, amat, lay: ChunkLayout, with_u: bool):
     return y, kt, qg, u, gcl
 
 
-def _prep(q, k, g, b, v, w, scale, lay: ChunkLayout):
+def forward_operands(q, k, g, b, v, w, scale, lay: ChunkLayout):
     """Chunk-parallel part of the forward: Aqk and A (``gdn2_intra_kernel``), then Y, Kt, Qg, U, exp2(G_C)."""
     TT, H, K = q.shape
     dev, dt = q.device, q.dtype
@@ -99,10 +99,19 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
     [TT, H, V] in q's dtype and the states where a state-scan window starts inside a sequence (see
     :func:`window_starts_buffer`; else None).
     """
-    TT, H, K = q.shape
-    V = v.shape[-1]
-    dev, dt = q.device, q.dtype
-    aqk, amat, y, kt, qg, u, gcl = _prep(q, k, g, b, v, w, scale, lay)
+    aqk, amat, y, kt, qg, u, gcl = forward_operands(q, k, g, b, v, w, scale, lay)
+    o, ht, rbuf, hseg = forward_scan(y, u, kt, qg, aqk, gcl, scale, initial_state, lay, for_backward)
+    saved = (aqk, amat, rbuf, hseg) if for_backward else None
+    return o, (ht if output_final_state else None), saved
+
+
+def forward_scan(y, u, kt, qg, aqk, gcl, scale, initial_state, lay: ChunkLayout, for_backward: bool):
+    """The state scan of the forward over the chunk operands of :func:`forward_operands`: o [TT, H, V],
+    the fp32 final state [N, H, K, V] and, when ``for_backward``, R and the window-start states (else
+    None)."""
+    TT, H, K = y.shape
+    V = u.shape[-1]
+    dev, dt = y.device, y.dtype
     o = torch.empty(TT, H, V, device=dev, dtype=dt)
     ht = torch.empty(lay.N, H, K, V, device=dev, dtype=torch.float32)
     h0 = initial_state if initial_state is not None else torch.zeros_like(ht)
@@ -114,8 +123,7 @@ def gdn2_forward(q, k, v, g, b, w, scale, initial_state, output_final_state, lay
         cu, off, scale, lay.T, lay.NT, _size_bucket(lay.N * H),
         H=H, K=K, V=V, KP=padded(K), VP=padded(V), IS_VARLEN=lay.varlen, SAVE_R=for_backward,
         DOT_PREC=dot_precision(dt), BT=CHUNK, SEG=STATE_SEGMENT)
-    saved = (aqk, amat, rbuf, hseg) if for_backward else None
-    return o, (ht if output_final_state else None), saved
+    return o, ht, rbuf, (hseg if for_backward else None)
 
 
 def chunk_start_states(kt, rbuf, gcl, initial_state, hseg, lay: ChunkLayout) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import padded
+from gdn2.ops.gdn2.naive import L2NORM_EPS
+from gdn2.ops.gdn2.utils import padded
 
-L2NORM_EPS = 1e-6
 ROWS = 16
 
 

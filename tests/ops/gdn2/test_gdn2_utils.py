@@ -1,11 +1,12 @@
-"""Launch helpers of the GDN-2 kernels: pinned configs, clipping, and the shared-memory fallback."""
+"""Launch helpers of the GDN-2 kernels: pinned configs, clipping, the switches that change them, and the
+shared-memory fallback."""
 
 import pytest
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-import gdn2.ops.gdn2_triton_utils as tu
+import gdn2.ops.gdn2.utils as tu
 
 
 class FakeKernel:
@@ -30,13 +31,13 @@ class FakeKernel:
         return run
 
 
-def compiled_mode(monkeypatch):
+@pytest.fixture
+def compiled_mode(ops_settings):
     # the launcher's GPU branch (with num_warps / num_stages), whatever the test machine
-    monkeypatch.setattr(tu, "INTERPRET", False)
+    ops_settings(interpret=False, autotune=False)
 
 
-def test_pipeline_that_does_not_fit_runs_with_fewer_stages_and_is_remembered(monkeypatch):
-    compiled_mode(monkeypatch)
+def test_pipeline_that_does_not_fit_runs_with_fewer_stages_and_is_remembered(compiled_mode):
     fake = FakeKernel(fits=2)
     kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=4)], key=["n"])
     x = torch.zeros(4)
@@ -51,8 +52,7 @@ def test_pipeline_that_does_not_fit_runs_with_fewer_stages_and_is_remembered(mon
     assert [s for _, _, s in fake.launches] == [4, 3, 2]
 
 
-def test_out_of_resources_at_one_stage_is_raised(monkeypatch):
-    compiled_mode(monkeypatch)
+def test_out_of_resources_at_one_stage_is_raised(compiled_mode):
     fake = FakeKernel(fits=0)
     kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=2)], key=["n"])
     with pytest.raises(OutOfResources):
@@ -60,16 +60,14 @@ def test_out_of_resources_at_one_stage_is_raised(monkeypatch):
     assert [s for _, _, s in fake.launches] == [2, 1]
 
 
-def test_pinned_config_is_clipped_and_grid_sees_it(monkeypatch):
-    compiled_mode(monkeypatch)
+def test_pinned_config_is_clipped_and_grid_sees_it(compiled_mode):
     fake = FakeKernel(fits=3)
     kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=4, num_stages=3)], key=["n"], clip={"BK": "n"})
     kern[lambda meta: (100 // meta["BK"],)](torch.zeros(1), 16)
     assert fake.launches == [((6,), 16, 3)]
 
 
-def test_register_cap_is_passed_only_when_a_config_sets_one(monkeypatch):
-    compiled_mode(monkeypatch)
+def test_register_cap_is_passed_only_when_a_config_sets_one(compiled_mode):
     fake = FakeKernel(fits=3)
     for cap, seen in ((None, "absent"), (160, 160)):
         kern = tu.Tuned(fake, [triton.Config({"BK": 64}, num_warps=1, num_stages=1, maxnreg=cap)], key=["n"],
@@ -79,7 +77,7 @@ def test_register_cap_is_passed_only_when_a_config_sets_one(monkeypatch):
 
 
 def test_scan_value_block_follows_the_number_of_programs():
-    from gdn2.ops.gdn2_chunk_fwd import bwd_scan_config, scan_config, state_scan_config
+    from gdn2.ops.gdn2.chunk_fwd import bwd_scan_config, scan_config, state_scan_config
 
     def bv(pick, size, prec="tf32"):
         return pick(dict(SIZE=size, V=128, DOT_PREC=prec)).kwargs["BV"]
@@ -94,3 +92,28 @@ def test_scan_value_block_follows_the_number_of_programs():
     assert [bv(state_scan_config, s) for s in (128, 64, 32, 16)] == [64, 32, 16, 16]
     # fp32 inputs (ieee products) always take the smallest tile
     assert bv(scan_config, 128, "ieee") == 16
+
+
+def test_switches_are_read_at_launch_time(compiled_mode, ops_settings):
+    """GDN2_SKIP_CONFIGS drops configs by index (never all of them); GDN2_AUTOTUNE=1 autotunes unless one
+    config is left, a sweep pins one, or the interpreter runs the kernels; changing a switch after the
+    kernel was defined takes effect."""
+    fake = FakeKernel(fits=4)
+    configs = [triton.Config({"BK": bk}, num_warps=4, num_stages=1) for bk in (64, 32, 16)]
+    kern = tu.Tuned(fake, configs, key=["n"])
+    assert kern.configs == configs and kern.direct
+    ops_settings(skip_configs=frozenset({"fake_kernel:0", "other_kernel:1"}))
+    assert kern.configs == configs[1:]
+    kern[(1,)](torch.zeros(1), 64)
+    assert fake.launches[-1][1] == 32  # the first config left
+    ops_settings(skip_configs=frozenset({"fake_kernel:0", "fake_kernel:1", "fake_kernel:2"}))
+    assert kern.configs == configs[:1]
+    ops_settings(skip_configs=frozenset(), autotune=True)
+    assert not kern.direct
+    with kern.pinned(configs[2]):
+        assert kern.direct
+        kern[(1,)](torch.zeros(1), 8)
+        assert fake.launches[-1][1] == 16
+    assert not kern.direct
+    ops_settings(interpret=True)
+    assert kern.direct

@@ -3,7 +3,7 @@
 Each row of a batch brings one new token: its fused projection ``qkv`` ``[B, (H + 2*Hkv) * D]`` (the
 queries, keys and values of all heads side by side), the RoPE tables of its position and a mask of
 the ring slots it may see. :func:`ring_decode_attention_triton` does in one pass what the plain torch
-version (:func:`ring_decode_attention_reference`, the oracle) does in five: split ``qkv`` into heads,
+version (``naive.ring_decode_attention_reference``, the oracle) does in five: split ``qkv`` into heads,
 rotate q and k (rotate-half RoPE in fp32, rounded back to the activations' dtype), write the new key
 and value into the ring slot ``slot`` (and the column into ``positions[slot]``), and attend each
 query head to every visible slot of its key/value head, the new one included.
@@ -25,76 +25,15 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-__all__ = ["ring_decode_attention_triton", "ring_decode_attention_reference", "split_count"]
+from gdn2.ops.decode_attention.api import check_decode_inputs
 
 LOG2E = 1.4426950408889634
 # the running maximum before any visible slot: finite, so that exp2(m_old - m_new) is never nan
 NEG_BIG = tl.constexpr(-1e30)
 
-
-def _check(qkv, cos, sin, k_cache, v_cache, positions, slot, visible, n_head) -> tuple[int, int, int, int, int]:
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [B, capacity, Hkv, D], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    B, C, Hkv, D = k_cache.shape
-    if n_head % Hkv:
-        raise ValueError(f"n_head={n_head} is not a multiple of the {Hkv} key/value heads")
-    if qkv.shape != (B, (n_head + 2 * Hkv) * D):
-        raise ValueError(f"qkv must be [B, (n_head + 2*Hkv) * D] = [{B}, {(n_head + 2 * Hkv) * D}], "
-                         f"got {tuple(qkv.shape)}")
-    if cos.shape != (B, D) or sin.shape != (B, D):
-        raise ValueError(f"cos and sin must be [B, D] = [{B}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if D % 2:
-        raise ValueError(f"rotate-half RoPE needs an even head size, got {D}")
-    if positions.shape != (C,) or slot.numel() != 1 or visible.shape != (B, C):
-        raise ValueError(f"positions [C], slot [1] and visible [B, C] expected for C={C}, got "
-                         f"{tuple(positions.shape)}, {tuple(slot.shape)}, {tuple(visible.shape)}")
-    return B, C, Hkv, D, n_head // Hkv
-
-
-# --------------------------------------------------------------------------------------------------
-# Oracle
-# --------------------------------------------------------------------------------------------------
-
-def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,1,heads,D], cos/sin [B,D]: rotate-half RoPE in fp32 (float64 stays), back in x's dtype."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    cos, sin = cos[:, None, None, :].to(xf.dtype), sin[:, None, None, :].to(xf.dtype)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def ring_decode_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                    k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                                    slot: torch.Tensor, column: torch.Tensor, visible: torch.Tensor,
-                                    n_head: int) -> torch.Tensor:
-    """Plain torch: the same contract as :func:`ring_decode_attention_triton` (caches updated in place).
-
-    qkv [B, (n_head + 2*Hkv) * D]; cos, sin [B, D]; k_cache, v_cache [B, C, Hkv, D]; positions int64
-    [C]; slot int64 [1]; column int64 0-d; visible bool [B, C]. Returns o [B, n_head * D] in qkv's dtype.
-    """
-    B, C, Hkv, D, _ = _check(qkv, cos, sin, k_cache, v_cache, positions, slot, visible, n_head)
-    H = n_head
-    q, k, v = qkv.reshape(B, 1, -1).split([H * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D), v.reshape(B, 1, Hkv, D)
-    q, k = _rope_rows(q, cos, sin), _rope_rows(k, cos, sin)
-    k_cache.index_copy_(1, slot, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, slot, v.to(v_cache.dtype))
-    positions.index_copy_(0, slot, column.reshape(1))
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_cache.to(q.dtype).transpose(1, 2), v_cache.to(q.dtype).transpose(1, 2),
-        attn_mask=visible[:, None, None, :], enable_gqa=Hkv != H)
-    return o.transpose(1, 2).reshape(B, H * D)
-
-
-# --------------------------------------------------------------------------------------------------
-# Triton
-# --------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _ring_block(k_base, v_base, visible, i_b, s_vis, s_kn, s_vn, o_n, end, o_d, m_d, slot, k_new, v_new,
@@ -259,7 +198,7 @@ def ring_decode_attention_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torc
     must see at least one slot). ``num_splits`` overrides the window split (tests). Returns
     o [B, n_head * D] in qkv's dtype.
     """
-    B, C, Hkv, D, G = _check(qkv, cos, sin, k_cache, v_cache, positions, slot, visible, n_head)
+    B, C, Hkv, D, G = check_decode_inputs(qkv, cos, sin, k_cache, v_cache, positions, slot, visible, n_head)
     if qkv.stride(1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("qkv rows and the cache heads must be contiguous")
     fp64 = qkv.dtype == torch.float64

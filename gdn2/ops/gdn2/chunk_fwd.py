@@ -34,9 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gdn2.ops.gdn2_triton_utils import (FAST_SPAN, LOG2E, chunk_bounds, chunk_identity, exp2_nonpos, flag_at,
-                                        load_rows_raw, load_rows_t, row_of, scan_chunk, scan_program, steep_flags,
-                                        store_chunk_state, store_rows, tuned)
+from gdn2.ops.gdn2.utils import (FAST_SPAN, LOG2E, chunk_bounds, chunk_identity, exp2_nonpos, flag_at,
+                                 load_rows_raw, load_rows_t, row_of, scan_chunk, scan_program, steep_flags,
+                                 store_chunk_state, store_rows, tuned)
 
 
 @triton.jit
@@ -172,11 +172,8 @@ def store_block(ptr, row0, i: tl.constexpr, j: tl.constexpr, x, o_c, L, H: tl.co
     tl.store(ptr + p, x.to(ptr.dtype.element_ty), mask=(rows < L)[:, None])
 
 
-# pinned first. Measured on the H200 (bench/sweep_gdn2.py, 8 x 4096 x 16, bf16, triton 3.6; this kernel
-# builds Aqk and A only): 1 warp BK 32 0.63 ms with 2 stages, 0.68 ms with 1; BK 16 0.84, BK 64 0.96;
-# 2 warps BK 16 1.06 ms. (When it also wrote Y, U, Qg, Kt: 1 warp BK 32 1.45 ms; 2 warps 2.4 ms; 8 warps
-# 4.2 ms.) The [16, 16] products fill one warp's mma tile: more warps only replicate them, and one warp
-# per program lets several programs share an SM.
+# pinned first (bench/sweep_gdn2.py; timings in bench/NOTES.md): the [16, 16] products fill one warp's
+# mma tile, so more warps only replicate them, and one warp per program lets several programs share an SM
 _INTRA_CONFIGS = [
     triton.Config({"BK": 32}, num_warps=1, num_stages=2),
     triton.Config({"BK": 16}, num_warps=2, num_stages=1),
@@ -339,12 +336,7 @@ def solve_and_store(t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, amat, row0
     store_block(amat, row0, 3, 3, x33, o_c, L, H, BT, BC)
 
 
-# pinned first; measured at 8 x 4096 x 16 (H200, bf16), per forward + backward (the forward's launch with
-# U, the backward's without): BK = BV 32 / 4 warps 0.81 ms, 64 / 4 warps 0.83 ms, 64 / 8 warps 0.91 ms,
-# 128 / 8 warps 1.14 ms. Issuing the four loads of a key-block program (g, k, q, b) before widening any of
-# them (one round trip instead of three): 32 / 4 warps 0.81 -> 0.75 ms. The sweep after that change:
-# 64 / 4 warps 0.69 ms (1 stage 0.69, 8 warps 0.81; 32 / 2 warps 0.76; 128 / 8 warps 1.05); pinned,
-# within the accuracy policy at every bench/gpu_check_gdn2.py case (0.695 ms in the profile after)
+# pinned first (bench/sweep_gdn2.py; timings in bench/NOTES.md)
 _PREP_CONFIGS = [
     triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2),
     triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
@@ -403,8 +395,7 @@ SCAN_CONFIGS = [
     triton.Config({"BV": 16}, num_warps=4, num_stages=3),
 ]
 # the backward scan also takes the whole value axis in one program (8 warps; 2 stages fit in shared
-# memory) where that still gives enough programs: 0.363 -> 0.283 ms at 8 x 4096 x 16 (H200, bf16), where
-# the forward scan got slower with it (0.337 -> 0.376)
+# memory) where that still gives enough programs; it paid there and not in the forward scan (bench/NOTES.md)
 BWD_SCAN_CONFIGS = [triton.Config({"BV": 128}, num_warps=8, num_stages=2)] + SCAN_CONFIGS
 
 
@@ -412,14 +403,8 @@ def scan_picker(min_programs: int, configs=SCAN_CONFIGS):
     """Launch config of a scan: the first (widest value block) of ``configs`` but the last that still
     gives at least ``min_programs`` programs, else the last (BV 16). The scan is a chain of per-chunk
     steps, so at few sequences x heads splitting V is the only parallelism; with enough of them wider
-    blocks do fewer, larger products.
-
-    Measured on the H200 (bf16, 4 warps, 3 stages, bench/sweep_gdn2.py --shape): the forward and
-    backward scans want BV 64 down to 128 programs (at 4 x 8192 x 16: forward 0.333 ms at BV 64 against
-    0.397 at BV 32, backward 0.356 against 0.477; at 8 x 4096 x 16, 256 programs: 0.333 / 0.356 ms),
-    and BV 16 below (1 x 32768 x 16: forward 0.686 / 0.732 / 1.100 ms at BV 16 / 32 / 64, backward
-    0.773 / 0.842 / 1.153). The lighter state scan (one product per chunk) wants 256 programs (4 x 8192:
-    0.198 ms at BV 32, 0.233 at BV 64; 1 x 32768: 0.543 at BV 16, 0.580 at BV 32)."""
+    blocks do fewer, larger products. The thresholds (128 programs for the forward and backward scans,
+    256 for the lighter state scan) come from ``bench/sweep_gdn2.py --shape`` (bench/NOTES.md)."""
     def pick(named: dict) -> triton.Config:
         size, v = int(named["SIZE"]), int(named["V"])
         # fp32 inputs (ieee products on the FMA units, a correctness path) keep the smallest tiles

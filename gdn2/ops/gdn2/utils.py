@@ -8,7 +8,7 @@ no index tensors). Chunks of ``BT = 64`` tokens restart at every sequence start;
 
 from __future__ import annotations
 
-import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-AUTOTUNE = os.environ.get("GDN2_AUTOTUNE", "0") == "1"
+from gdn2.ops.backend import settings
+
 CHUNK = 64      # chunk length
 SUB = 16        # sub-chunk length (diagonal blocks of the WY system)
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr so that kernels may read it
@@ -269,24 +269,52 @@ class Tuned:
     ``{"BK": "KP"}``): configs are clipped to that bound, so small heads do not compile oversized
     tiles. ``GDN2_SKIP_CONFIGS="kernel:i,kernel:j"`` drops configs by index, for a Triton build that
     cannot compile one of them. A launch whose pipeline needs more shared memory than the GPU has is
-    retried with fewer stages.
+    retried with fewer stages. The switches are read at launch time (``gdn2.ops.backend.settings``).
     """
 
     def __init__(self, fn, configs, key, clip=None, pick=None):
         self.fn = fn
-        skip = {e.strip() for e in os.environ.get("GDN2_SKIP_CONFIGS", "").split(",") if e.strip()}
-        self.configs = [c for i, c in enumerate(configs) if f"{fn.__name__}:{i}" not in skip] or configs[:1]
+        self.all_configs = list(configs)
+        self.key = key
         self.clip = clip or {}
         self.pick = pick
+        self._pinned = None  # a config forced by ``pinned`` (launch-config sweeps)
         self._stages = {}  # pipeline depth that fitted, per (config, input dtypes)
-        self.direct = INTERPRET or not AUTOTUNE or len(self.configs) == 1
-        if not self.direct:
+        self._autotuned = {}  # triton.autotune wrapper per offered config list
+
+    @property
+    def configs(self) -> list:
+        """The configs on offer: ``all_configs`` less those ``GDN2_SKIP_CONFIGS`` names (never none)."""
+        skip = settings().skip_configs
+        kept = [c for i, c in enumerate(self.all_configs) if f"{self.fn.__name__}:{i}" not in skip]
+        return kept or self.all_configs[:1]
+
+    @property
+    def direct(self) -> bool:
+        """Whether a launch uses one config without benchmarking (see the class doc)."""
+        s = settings()
+        return self._pinned is not None or s.interpret or not s.autotune or len(self.configs) == 1
+
+    @contextmanager
+    def pinned(self, cfg: triton.Config):
+        """Launch with ``cfg`` alone (clipped) inside the ``with`` block."""
+        saved, self._pinned = self._pinned, cfg
+        try:
+            yield self
+        finally:
+            self._pinned = saved
+
+    def _autotuner(self):
+        configs = self.configs
+        sig = tuple(id(c) for c in configs)
+        if sig not in self._autotuned:
             def bench(kernel_call, quantiles):
                 # short runs: tuning happens once per key, and the key changes with every size bucket
                 return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
-            self.kernel = triton.autotune(configs=self.configs, key=key, do_bench=bench,
-                                          prune_configs_by={"early_config_prune": self._prune})(fn)
+            self._autotuned[sig] = triton.autotune(configs=configs, key=self.key, do_bench=bench,
+                                                   prune_configs_by={"early_config_prune": self._prune})(self.fn)
+        return self._autotuned[sig]
 
     def _clipped(self, cfg, args):
         kw = dict(cfg.kwargs)
@@ -308,18 +336,22 @@ class Tuned:
 
     def config_for(self, named: dict) -> triton.Config:
         """The pinned config for these launch arguments (clipped)."""
-        cfg = self.pick(named) if self.pick is not None else self.configs[0]
+        if self._pinned is not None:
+            cfg = self._pinned
+        else:
+            cfg = self.pick(named) if self.pick is not None else self.configs[0]
         return self._clipped(cfg, named)
 
     def __getitem__(self, grid):
         if not self.direct:
-            return self.kernel[grid]
+            return self._autotuner()[grid]
+        interpret = settings().interpret
 
         def launch(*args, **kwargs):
             named = dict(zip(self.fn.arg_names, args), **kwargs)
             cfg = self.config_for(named)
             g = grid(cfg.kwargs) if callable(grid) else grid
-            if INTERPRET:
+            if interpret:
                 return self.fn[g](*args, **kwargs, **cfg.kwargs)
             # a pipeline that does not fit this GPU's shared memory (fp32 inputs, smaller GPUs) runs with
             # fewer stages; the number that fits is remembered per config and input dtypes

@@ -1,0 +1,127 @@
+"""The GDN-2 entry points: input validation and backend dispatch (``gdn2.ops.backend``).
+
+The Triton modules are imported on the first Triton call, so this module (and ``gdn2.ops``) imports
+without Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gdn2.ops.backend import select_backend
+from gdn2.ops.gdn2.naive import chunk_gdn2_reference, recurrent_gdn2_reference
+
+MAX_HEAD_DIM = 256
+
+
+def check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path: bool) -> None:
+    """Raise ValueError naming the argument for any input the GDN-2 operators cannot take."""
+    named = dict(q=q, k=k, v=v, g=g, b=b, w=w)
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 [B, T, H, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    for name, t in named.items():
+        if t.shape[:2] != (B, T):
+            raise ValueError(f"{name} has batch/length {tuple(t.shape[:2])}, q has {(B, T)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if w.shape != v.shape:
+        raise ValueError(f"w must have v's shape {tuple(v.shape)}, got {tuple(w.shape)}")
+    if HV % H != 0:
+        raise ValueError(f"v has {HV} heads, not a multiple of q's {H} heads")
+    for name in ("g", "b"):
+        t = named[name]
+        if t.shape[2] not in (H, HV) or t.shape[3] != K:
+            raise ValueError(f"{name} must be [B, T, {H} or {HV}, {K}], got {tuple(t.shape)}")
+    if K > MAX_HEAD_DIM:
+        raise ValueError(f"q/k head dim K={K} exceeds the supported maximum {MAX_HEAD_DIM}")
+    if V > MAX_HEAD_DIM:
+        raise ValueError(f"v head dim V={V} exceeds the supported maximum {MAX_HEAD_DIM}")
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must hold at least two offsets")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} .. {cu[-1]}")
+        if any(a >= c for a, c in zip(cu[:-1], cu[1:])):
+            raise ValueError("cu_seqlens must be strictly increasing")
+        N = len(cu) - 1
+    if initial_state is not None:
+        allowed = (torch.float32, torch.float64) if (torch_path and v.dtype == torch.float64) else (torch.float32,)
+        if initial_state.dtype not in allowed:
+            raise ValueError(f"initial_state must be float32, got {initial_state.dtype}")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"initial_state must have shape {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
+
+
+def chunk_gdn2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked GDN-2 (training and prefill).
+
+    q, k, b: [B,T,H,K]; g: [B,T,H,K] natural-log decay (<= 0, fp32 or bf16); v, w: [B,T,HV,V];
+    initial_state: fp32 [N,HV,K,V] (N = B, or the number of sequences in ``cu_seqlens``, which
+    needs B == 1). ``scale`` defaults to K**-0.5. Returns ``o`` [B,T,HV,V] in q's dtype and the fp32
+    final state when ``output_final_state``. Differentiable in every tensor input.
+    """
+    be = select_backend("gdn2", q.device, backend)
+    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if be == "triton":
+        from gdn2.ops.gdn2.chunk import chunk_gdn2_triton
+
+        return chunk_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens)
+    return chunk_gdn2_reference(q, k, v, g, b, w, scale, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def fused_recurrent_gdn2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
+    scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None, inplace_final_state: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token-recurrent GDN-2 (decoding). Same arguments as :func:`chunk_gdn2`.
+
+    ``inplace_final_state=True`` writes the final state into ``initial_state`` (which must be given)
+    and returns that tensor, so a decoding cache is updated without copies. Inference only on the
+    Triton path; the torch path is differentiable.
+    """
+    be = select_backend("gdn2", q.device, backend)
+    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
+    if inplace_final_state and initial_state is None:
+        raise ValueError("inplace_final_state=True needs an initial_state to update")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if be == "triton":
+        from gdn2.ops.gdn2.recurrent import fused_recurrent_gdn2_triton
+
+        return fused_recurrent_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, cu_seqlens, inplace_final_state)
+    o, final = recurrent_gdn2_reference(q, k, v, g, b, w, scale, initial_state,
+                                        output_final_state or inplace_final_state,
+                                        use_qk_l2norm_in_kernel, cu_seqlens)
+    if inplace_final_state:
+        with torch.no_grad():
+            initial_state.copy_(final)
+        return o, initial_state
+    return o, final
