@@ -12,8 +12,8 @@ While the host inspects token t for EOS and stop strings, the GPU already comput
 step runs on fused weight copies (:class:`gdn2.inference.DecodeWeights`: one GEMM for the seven input
 projections of a GDN-2 layer, one for the MLP's w1 | w2), copied again at the start of every
 ``generate`` call, and on CUDA its pieces are compiled with ``torch.compile`` (once per process and
-batch-size bucket, shared by all Generators). ``compile=False`` / ``--no-compile`` skip the compiler;
-``fused=False`` / ``--no-fused`` run the parameters as they are (no extra memory for the copies).
+batch-size bucket, shared by all Generators). ``compile=False`` / ``--no_compile`` skip the compiler;
+``fused=False`` / ``--no_fused`` run the parameters as they are (no extra memory for the copies).
 
 - :mod:`~gdn2.generation.sampling`: SamplingParams, filter_logits, sample_tokens;
 - :mod:`~gdn2.generation.cuda_graph`: CapturedDecodeStep;

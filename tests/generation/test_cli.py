@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import gdn2.generation.cli as cli
+from gdn2.commandline import run
 from decode_helpers import tiny_decoding_model
 
 
@@ -27,9 +28,9 @@ def test_flags_reach_the_generator(monkeypatch):
 
     monkeypatch.setattr(cli, "Generator", Recorder)
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: type("L", (), {"model": model, "tokenizer": None})())
-    for argv, expected in ((["--no-compile", "--no-fused"], (False, False)), (["--compile"], (True, True)),
-                           ([], (None, True))):
+    for argv, expected in ((["--no_compile", "--no_fused"], (False, False)), (["--compile"], (True, True)),
+                           ([], (None, True)), (["--no-compile"], (False, True))):  # the dashed spelling too
         seen.clear()
         with pytest.raises(SystemExit):
-            cli.main(["--checkpoint", "x", "--prompt", "p"] + argv)
+            run(cli.main, ["--checkpoint", "x", "--prompt", "p"] + argv, "gdn2 generate")
         assert (seen["compile"], seen["fused"]) == expected

@@ -1,8 +1,8 @@
 """Triton recurrent GDN-2 (decode / short prefill) against the float64 token recurrence.
 
 CPU: TRITON_INTERPRET=1, fp32 and fp16, small heads; CUDA adds bf16 at K = V = 128. The kernel keeps
-the state in fp32 and computes every token in fp32, so fp32 inputs land near 1e-7 and the 1e-4 bound
-of OPERATOR.md applies; for 16-bit inputs only the output rounding remains (o is stored in the input
+the state in fp32 and computes every token in fp32, so fp32 inputs land near 1e-7 and the accuracy
+policy's 1e-4 bound applies; for 16-bit inputs only the output rounding remains (o is stored in the input
 dtype: bf16 5e-3, fp16 1e-3).
 """
 
