@@ -17,6 +17,13 @@ one more optimizer step with torch.profiler: CUDA time per kernel, summed into G
 operator, attention, optimizer, communication and everything else (elementwise, norms, copies), so
 that the time the step spends outside the kernels we own is visible.
 
+Phase ``sweep`` compares ``--config`` with ``--compare`` (e.g. ``transformer_1.3B``) at every length of
+``--seq-len 4096,16384,32768``: one trial per (config, length) with ``--tokens-per-micro-batch`` tokens
+per micro-batch (micro-batch 4 at 4096, 1 at 16384 and above), tokens/s, MFU and peak memory side by
+side, the ratio of the two, and an out-of-memory recorded as such. ``--phase profile`` with
+``--compare`` profiles both configs. ``--set key=value`` (repeatable) overrides a recipe value in every
+trial and in the trainer phase, e.g. ``--set train.fused_loss=true``.
+
 Prints a table and writes ``train_throughput_<config>_<gpus>gpu.json`` to ``--out`` (default ``$OUT``
 or ``bench_out``). Stops starting new trials once ``--time-budget`` seconds have passed.
 """
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,7 +62,8 @@ def run_trial(args: argparse.Namespace) -> None:
     overrides = {"train.micro_batch_size": str(args.micro_batch), "train.global_batch_size": str(args.micro_batch * world),
                  "train.activation_checkpointing": str(args.ac).lower(), "data.num_workers": "0"}
     if args.seq_len:
-        overrides["model.block_size"] = str(args.seq_len)
+        overrides["model.block_size"] = str(args.seq_len[0])
+    overrides.update(recipe_overrides(args.set))
     recipe = load_recipe(args.config, overrides, out_dir="/tmp/gdn2_bench_trial")
     fabric, _, precision = build_fabric(recipe)
     fabric.launch()
@@ -148,12 +157,29 @@ def torchrun(gpus: int, script: Path, args: list[str]) -> list[str]:
             str(script), *args]
 
 
-def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bool = False) -> dict:
-    result = workdir / f"trial_mb{mb}_ac{int(ac)}.json"
-    cmd = torchrun(cfg.gpus, Path(__file__), ["--trial", "--config", cfg.config, "--micro-batch", str(mb),
+def recipe_overrides(pairs: list[str]) -> dict[str, str]:
+    """``["train.fused_loss=true", ...]`` as recipe overrides."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set takes key=value, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bool = False,
+          config: Optional[str] = None, seq_len: Optional[int] = None) -> dict:
+    config = config or cfg.config
+    seq_len = seq_len or (cfg.seq_len[0] if cfg.seq_len else None)
+    tag = f"{Path(config).stem}_T{seq_len or 'cfg'}_mb{mb}_ac{int(ac)}"
+    result = workdir / f"trial_{tag}.json"
+    result.unlink(missing_ok=True)
+    cmd = torchrun(cfg.gpus, Path(__file__), ["--trial", "--config", config, "--micro-batch", str(mb),
                                              "--ac", str(ac), "--steps", str(cfg.trial_steps),
                                              "--warmup-steps", str(cfg.warmup_steps), "--result", str(result)]
-                   + (["--seq-len", str(cfg.seq_len)] if cfg.seq_len else [])
+                   + (["--seq-len", str(seq_len)] if seq_len else [])
+                   + [a for pair in cfg.set for a in ("--set", pair)]
                    + (["--profile"] if profile else []))
     t0 = time.time()
     try:
@@ -161,18 +187,20 @@ def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bo
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, output = -1, f"timed out after {cfg.trial_timeout}s\n{e.stdout or ''}{e.stderr or ''}"
-    data: dict = {"micro_batch": mb, "activation_checkpointing": ac}
+    data: dict = {"config": config, "seq_len": seq_len, "micro_batch": mb, "activation_checkpointing": ac}
     if result.exists():
-        data = json.loads(result.read_text())
+        data = dict(json.loads(result.read_text()), config=config)
     else:
         ranks = sorted(workdir.glob(result.name + ".rank*"))
         if ranks:
-            data = json.loads(ranks[0].read_text())
+            data = dict(json.loads(ranks[0].read_text()), config=config)
+            for r in ranks:
+                r.unlink()
         else:
             oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
             data.update(ok=False, oom=oom, error=output.strip().splitlines()[-1][:300] if output.strip() else f"rc {rc}")
             if not oom:
-                (workdir / f"trial_mb{mb}_ac{int(ac)}.log").write_text(output[-20000:])
+                (workdir / f"trial_{tag}.log").write_text(output[-20000:])
     data["wall_s"] = round(time.time() - t0, 1)
     return data
 
@@ -223,7 +251,7 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     from gdn2.train.recipe import load_recipe
 
     recipe = load_recipe(cfg.config)
-    block = cfg.seq_len or recipe.model.block_size
+    block = cfg.seq_len[0] if cfg.seq_len else recipe.model.block_size
     mb = cfg.trainer_micro_batch or recipe.train.micro_batch_size
     gbs = mb * cfg.gpus * cfg.trainer_accum
     data = workdir / "data"
@@ -239,6 +267,8 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
               "--train.activation_checkpointing", str(cfg.trainer_ac).lower()]
     if cfg.seq_len:
         common += ["--model.block_size", str(block)]
+    for key, value in recipe_overrides(cfg.set).items():
+        common += [f"--{key}", value]
     report: dict = {"micro_batch": mb, "global_batch": gbs, "grad_accum": cfg.trainer_accum, "seq_len": block,
                     "activation_checkpointing": cfg.trainer_ac}
     t0 = time.time()
@@ -287,13 +317,81 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     return report
 
 
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def sweep(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict]:
+    """``--config`` and ``--compare`` at every ``--seq-len``, the same tokens per micro-batch."""
+    configs = [cfg.config] + ([cfg.compare] if cfg.compare else [])
+    rows = []
+    for seq_len in cfg.seq_len or [None]:
+        if seq_len is None:
+            from gdn2.train.recipe import load_recipe
+
+            seq_len = load_recipe(cfg.config).model.block_size
+        mb = max(1, cfg.tokens_per_micro_batch // seq_len)
+        row: dict = {"seq_len": seq_len, "micro_batch": mb}
+        for config in configs:
+            if time.time() > deadline:
+                row[config] = {"ok": False, "error": "time budget spent"}
+                continue
+            r = row[config] = trial(cfg, mb, cfg.trainer_ac, workdir, config=config, seq_len=seq_len)
+            print(f"  {config} T={seq_len} mb={mb}: " + (f"{r['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, "
+                  f"{_pct(r.get('mfu'))} MFU, {r['peak_memory_gib']:.1f} GiB" if r.get("ok")
+                  else f"failed ({'OOM' if r.get('oom') else r.get('error')})"), flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_sweep(rows: list[dict], configs: list[str]) -> None:
+    head = " | ".join(f"{c} tokens/s/GPU | MFU | peak GiB" for c in configs)
+    print(f"\n| context | micro-batch | {head} |" + (" ratio |" if len(configs) == 2 else ""))
+    print("|---|---|" + "---|---|---|" * len(configs) + ("---|" if len(configs) == 2 else ""))
+    for row in rows:
+        cells = []
+        for c in configs:
+            r = row.get(c, {})
+            if r.get("ok"):
+                cells.append(f"{r['tokens_per_sec_per_gpu']:,.0f} | {_pct(r.get('mfu'))} | {r['peak_memory_gib']:.1f}")
+            else:
+                cells.append(("OOM" if r.get("oom") else "failed") + " | - | -")
+        ratio = ""
+        if len(configs) == 2:
+            a, b = row.get(configs[0], {}), row.get(configs[1], {})
+            ratio = (f" {a['tokens_per_sec_per_gpu'] / b['tokens_per_sec_per_gpu']:.2f}x |"
+                     if a.get("ok") and b.get("ok") else " - |")
+        print(f"| {row['seq_len']} | {row['micro_batch']} | " + " | ".join(cells) + " |" + ratio)
+
+
+def print_profile(config: str, r: dict) -> None:
+    if not r.get("ok"):
+        print(f"profile trial of {config} failed: {r.get('error')}")
+        return
+    prof = r["profile"]
+    print(f"\n{config}: kernel time of one step: {prof['total_ms']:.1f} ms (wall {r['step_time_s'] * 1e3:.1f} ms)")
+    print("| category | ms | share |\n|---|---|---|")
+    for cat, ms in prof["categories_ms"].items():
+        print(f"| {cat} | {ms:.1f} | {ms / max(prof['total_ms'], 1e-9):.1%} |")
+    print("\ntop kernels (ms per step, launches):")
+    for k in prof["top_kernels"][:30]:
+        print(f"  {k['ms']:8.2f} {k['launches']:5d}  [{kernel_category(k['name'])[:9]}] {k['name'][:110]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="swa_gdn2_1.3B")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on this machine to use (default: all)")
-    p.add_argument("--phase", choices=("all", "trainer", "search", "profile"), default="all",
-                   help="all = trainer + search; profile: one trial's step split by kernel category")
-    p.add_argument("--seq-len", type=int, default=None, help="context length (default: the config's block size)")
+    p.add_argument("--phase", choices=("all", "trainer", "search", "profile", "sweep"), default="all",
+                   help="all = trainer + search; profile: one trial's step split by kernel category; sweep: "
+                        "--config against --compare at every --seq-len")
+    p.add_argument("--seq-len", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="context length(s), comma-separated (default: the config's block size)")
+    p.add_argument("--compare", default=None, help="a second config for --phase sweep / profile")
+    p.add_argument("--tokens-per-micro-batch", type=int, default=16384,
+                   help="sweep: micro-batch = this // context length (at least 1)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override for every trial and the trainer phase (repeatable)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"))
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; no new trial starts after that")
     p.add_argument("--trainer-steps", type=int, default=8)
@@ -331,7 +429,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    report: dict = {"config": args.config, "gpus": args.gpus, "device": device,
+    report: dict = {"config": args.config, "compare": args.compare, "overrides": args.set, "gpus": args.gpus,
+                    "device": device,
                     "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.phase in ("all", "trainer"):
         print(f"[trainer] {args.config} on {args.gpus} GPU(s): pretrain/main.py, resume, gdn2 consolidate", flush=True)
@@ -350,19 +449,17 @@ def main() -> None:
         if not mb:
             from gdn2.train.recipe import load_recipe
             mb = load_recipe(args.config, {}, out_dir=str(workdir)).train.micro_batch_size
-        print(f"[profile] one optimizer step of {args.config}, micro-batch {mb}, AC {args.trainer_ac}", flush=True)
-        report["profile_trial"] = r = trial(args, mb, args.trainer_ac, workdir, profile=True)
-        if r.get("ok"):
-            prof = r["profile"]
-            print(f"\nkernel time of one step: {prof['total_ms']:.1f} ms (wall {r['step_time_s'] * 1e3:.1f} ms)")
-            print("| category | ms | share |\n|---|---|---|")
-            for cat, ms in prof["categories_ms"].items():
-                print(f"| {cat} | {ms:.1f} | {ms / max(prof['total_ms'], 1e-9):.1%} |")
-            print("\ntop kernels (ms per step, launches):")
-            for k in prof["top_kernels"][:30]:
-                print(f"  {k['ms']:8.2f} {k['launches']:5d}  [{kernel_category(k['name'])[:9]}] {k['name'][:110]}")
-        else:
-            print(f"profile trial failed: {r.get('error')}")
+        report["profile_trials"] = {}
+        for config in [args.config] + ([args.compare] if args.compare else []):
+            print(f"[profile] one optimizer step of {config}, micro-batch {mb}, AC {args.trainer_ac}", flush=True)
+            report["profile_trials"][config] = r = trial(args, mb, args.trainer_ac, workdir, profile=True,
+                                                         config=config)
+            print_profile(config, r)
+    if args.phase == "sweep":
+        print(f"[sweep] {args.config}" + (f" against {args.compare}" if args.compare else "")
+              + f" at context {args.seq_len or 'of the config'}", flush=True)
+        report["sweep"] = sweep(args, workdir, deadline)
+        print_sweep(report["sweep"], [args.config] + ([args.compare] if args.compare else []))
     report["wall_s"] = round(time.time() - started, 1)
 
     print(f"\n{args.config}, {args.gpus} x {report['device']}")

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention
 from gdn2.layers.decoding import DecodeContext
-from gdn2.layers.fused import swiglu
+from gdn2.layers.fused import project, swiglu
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
 from gdn2.layers.init import Embedding, Linear, RMSNorm
+from gdn2.layers.loss import cross_entropy_fp32, linear_cross_entropy
 from gdn2.layers.packed import PackedPrompts
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both."""
-        gate, up = (self.w1(x), self.w2(x)) if fused_in is None else F.linear(x, fused_in).chunk(2, dim=-1)
+        gate, up = project(x, (self.w1, self.w2)) if fused_in is None else F.linear(x, fused_in).chunk(2, dim=-1)
         return self.w3(swiglu(gate, up))
 
 
@@ -97,13 +98,18 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, eps=config.norm_eps),
         ))
         self.lm_head = Linear(config.n_embd, config.vocab_size, std=0.02)
+        self.fused_loss = False  # see forward
 
-    def forward(self, idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """idx: int64 [B,T] -> logits [B,T,vocab_size].
+    def forward(self, idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, loss_chunk_tokens: int = 8192) -> torch.Tensor:
+        """idx: int64 [B,T] -> logits [B,T,vocab_size]; with ``labels`` (int64 [B,T], -100 ignored) the
+        mean next-token loss instead (fp32 scalar), ``loss_chunk_tokens`` rows of logits at a time.
 
         ``cu_seqlens``: int 1-D document offsets over the flattened B*T tokens (every row start
         included) for document masking: GDN-2 state, short conv, RoPE positions and attention all
-        restart at each document.
+        restart at each document. ``fused_loss`` (attribute, off by default): the loss straight from
+        the final hidden states and the head's weight (``linear_cross_entropy``), so the logits never
+        exist whole.
         """
         B, T = idx.shape
         x = self.transformer.wte(idx)
@@ -118,9 +124,13 @@ class GPT(nn.Module):
         positions = pos_in_doc if pos_in_doc is not None else torch.arange(T, device=idx.device)
         for block in self.transformer.h:
             x = block(x, positions, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc)
-        x = self.transformer.ln_f(x)
+        x = self.transformer.ln_f(x).reshape(B, T, -1)
+        if labels is not None and self.fused_loss:
+            return linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk_tokens)
         logits = self.lm_head(x)
-        return logits.reshape(B, T, -1)
+        if labels is not None:
+            return cross_entropy_fp32(logits, labels, loss_chunk_tokens)
+        return logits
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

@@ -84,6 +84,7 @@ def test_consolidate_and_eval_errors(capsys, tmp_path):
                    "empty_run/config.yaml: missing")
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback_and_the_process_exits_2(tmp_path):
     argv = [sys.executable, "-m", "gdn2", "consolidate", str(tmp_path / "nope")]
     plain = subprocess.run(argv, capture_output=True, text=True)

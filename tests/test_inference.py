@@ -169,6 +169,7 @@ def test_decode_weights_follow_the_parameters_through_refresh():
         _continue(other, weights, prompt)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_traces_whole_and_matches_eager():
     """Every compiled piece (inputs, one block step per layer kind, head) traces without graph breaks
     (fullgraph; the cache writes are custom ops with declared mutations) into one graph per piece and

@@ -15,12 +15,14 @@ into the graph).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 _compiled_enabled = False
+_grouped_enabled = False
 _devices: tuple[str, ...] = ("cuda",)
 _backend = "inductor"
 _twins: dict[Callable, Callable] = {}  # plain function -> its compiled twin, made on first use
@@ -39,6 +41,58 @@ def set_compiled(enabled: bool, devices: tuple[str, ...] = ("cuda",), backend: s
 
 def compiled_enabled() -> bool:
     return _compiled_enabled
+
+
+def set_grouped_projections(enabled: bool) -> None:
+    """Run the projections that read one input (a GDN-2 layer's seven, the MLP's two) as one GEMM
+    over their stacked weights (process-wide; the trainer's ``train.grouped_projections``)."""
+    global _grouped_enabled
+    _grouped_enabled = bool(enabled)
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``x @ cat(weights).T``: one GEMM forward, one for dx and one for all dW. The weights are saved
+    as themselves, not as their concatenation, so FSDP still frees them between forward and backward;
+    the backward concatenates them again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(x.device) or x.dtype
+        ctx.dtype = dtype
+        x = x.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, torch.cat([w.to(dtype) for w in weights]))
+        ctx.save_for_backward(x, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        dy = dy.to(ctx.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ torch.cat([w.to(ctx.dtype) for w in weights])
+        dws: list = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            dws = [g.to(w.dtype) for g, w in zip(dw.split([w.shape[0] for w in weights]), weights)]
+        return (dx, *dws)
+
+
+def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]`` (bias-free linears), as one GEMM whose output is split into
+    views when :func:`set_grouped_projections` is on."""
+    if not _grouped_enabled or len(linears) == 1:
+        return [lin(x) for lin in linears]
+    if any(lin.bias is not None for lin in linears):
+        raise ValueError("grouped projections take bias-free linears")
+    weights = [lin.weight for lin in linears]
+    y = _GroupedLinear.apply(x, *weights)
+    return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 
 def fusable(fn: FnT) -> FnT:

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
-from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates
+from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project
 from gdn2.layers.init import Linear
 from gdn2.ops import chunk_gdn2
 
@@ -169,8 +169,11 @@ class GatedDeltaNet2(nn.Module):
             raise ValueError("packed prompts need cu_seqlens and a cache to fill")
         if cache is not None and cu_seqlens is not None and not packed:
             raise ValueError("cu_seqlens cannot be combined with a decoding cache")
-        if fused is None:  # each projection just before its first use, as the training forward runs them
-            pre = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if fused is None:
+            # one GEMM for all seven when grouped projections are on, else seven (see fused.project)
+            qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
+                                                       self.b_proj, self.w_proj, self.g_proj[0]))
+            pre = (qp, kp, vp)
             taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
             tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
         else:
@@ -181,13 +184,13 @@ class GatedDeltaNet2(nn.Module):
         # slices of the fused conv output: dense copies for the kernel (free at batch 1)
         q, k, v = convs if fused is None else (t.contiguous() for t in convs[0].split([Kd, Kd, Vd], dim=-1))
         if fused is None:
-            f, b, w = self.f_proj(x), self.b_proj(x), self.w_proj(x)
+            f = self.f_proj[1](f_lo)
         g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, 2.0 if self.allow_neg_eigval else 1.0)
         q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
         v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
         o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed)
         if fused is None:
-            gate = self.g_proj(x)
+            gate = self.g_proj[1](g_lo)
         o = self.o_norm(o, gate.reshape(B, T, HV, V)).reshape(B, T, Vd)
         return self.o_proj(o)
 

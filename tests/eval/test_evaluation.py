@@ -133,6 +133,7 @@ def test_simple_evaluate_runs_local_tasks_offline(artifacts):
     assert results["n-samples"]["gdn2_local_mc"]["effective"] == 4
 
 
+@pytest.mark.slow
 def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
     from gdn2.evaluation import run
 

@@ -78,6 +78,7 @@ def exported(checkpoints, tmp_path_factory):
     return {name: export(path, root / name) for name, path in checkpoints.items()}
 
 
+@pytest.mark.slow
 def test_loads_without_gdn2_with_its_logits_tokens_and_cache(checkpoints, exported, tmp_path):
     result = tmp_path / "result.pt"
     proc = subprocess.run([sys.executable, "-c", WITHOUT_GDN2, TEXT, str(result), *map(str, exported.values())],

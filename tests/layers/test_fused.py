@@ -152,3 +152,65 @@ def test_model_with_compiled_stages_matches_eager():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for n, g in grads_e.items():
         torch.testing.assert_close(grads_c[n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_grouped_projection_is_one_gemm_with_each_linears_values_and_gradients():
+    """``project`` with grouped projections on: one autograd node for all the linears, the same outputs,
+    input gradient and weight gradients as the separate linears (float64), and under bf16 autocast the
+    dtypes nn.Linear gives."""
+    torch.manual_seed(3)
+    linears = [torch.nn.Linear(12, n, bias=False).double() for n in (5, 7, 3)]
+    x = torch.randn(2, 4, 12, dtype=torch.float64, requires_grad=True)
+    ups = [torch.randn(2, 4, n, dtype=torch.float64) for n in (5, 7, 3)]
+
+    def run():
+        for lin in linears:
+            lin.weight.grad = None
+        x.grad = None
+        outs = fused.project(x, linears)
+        sum((o * u).sum() for o, u in zip(outs, ups)).backward()
+        return outs, x.grad.clone(), [lin.weight.grad.clone() for lin in linears]
+
+    separate = run()
+    fused.set_grouped_projections(True)
+    try:
+        grouped = run()
+        assert len({o.grad_fn.next_functions[0][0] for o in grouped[0]}) == 1  # views of one GEMM's output
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fused.project(x.float().detach(), [lin.float() for lin in linears])
+        assert all(t.dtype == torch.bfloat16 for t in y)
+    finally:
+        fused.set_grouped_projections(False)
+        for lin in linears:
+            lin.double()
+    for a, b in zip(grouped[0], separate[0]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grouped[1], separate[1], rtol=1e-12, atol=1e-12)
+    for a, b in zip(grouped[2], separate[2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["swa_gdn2_tiny", "transformer_tiny"])
+def test_model_with_grouped_projections_matches_separate(name):
+    from gdn2.config import Config
+    from gdn2.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name(name)).double()
+    idx = torch.randint(0, model.config.vocab_size, (2, 17))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(idx[:, :-1], labels=idx[:, 1:])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_s, grads_s = loss_and_grads()
+    fused.set_grouped_projections(True)
+    try:
+        loss_g, grads_g = loss_and_grads()
+    finally:
+        fused.set_grouped_projections(False)
+    torch.testing.assert_close(loss_g, loss_s, rtol=1e-12, atol=1e-12)
+    for n, g in grads_s.items():
+        torch.testing.assert_close(grads_g[n], g, rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")

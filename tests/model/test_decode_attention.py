@@ -9,6 +9,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("name,kw", [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)),
                                      ("transformer_tiny", dict(n_query_groups=2))])
+@pytest.mark.slow
 def test_decode_on_the_kernel_equals_the_full_forward(monkeypatch, name, kw):
     """The model's decode steps (fused and not) with the attention layers on the kernel, fp32,
     ragged prompts, a window that wraps the ring: the logits of the full forward pass. Only the decode

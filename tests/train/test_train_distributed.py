@@ -15,6 +15,7 @@ def losses(folder):
     return {r["step"]: r["loss"] for r in read_jsonl(folder / "metrics.jsonl") if r["kind"] == "train"}
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_and_resume_across_world_sizes(corpus, tmp_path):
     # global batch 4: one rank does 2 micro-batches of 2; two ranks do 2 micro-batches of 1 each.
     # The loader hands out global samples in the same order, so each optimizer step sees the same 4.

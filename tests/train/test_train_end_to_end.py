@@ -30,6 +30,7 @@ def run_fit(cfg, out_dir, resume=None, **overrides):
     return fit(recipe, resume=resume)
 
 
+@pytest.mark.slow
 def test_cli_trains_and_the_loss_falls(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=24, warmup_steps=2),
                        eval=dict(interval=12, at_end=True), checkpoint=dict(interval=12),
@@ -59,6 +60,31 @@ def test_cli_trains_and_the_loss_falls(corpus, tmp_path):
         out / "checkpoints" / "step-000000024" / "config.yaml").read_text()
     model = GPT(Config.from_dict(d["config"]))
     model.load_state_dict(d["model"])
+
+
+@pytest.mark.slow
+def test_fused_loss_and_grouped_projections_train_the_same_run(corpus, tmp_path):
+    """``train.fused_loss`` and ``train.grouped_projections`` change how the step computes, not what:
+    the same losses (validation included) and weights as the default path."""
+    from gdn2.layers import fused
+
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4, warmup_steps=1), eval=dict(at_end=True))
+    plain = run_fit(cfg, tmp_path / "plain")
+    try:
+        both = run_fit(cfg, tmp_path / "both", **{"train.fused_loss": True, "train.grouped_projections": True})
+    finally:
+        fused.set_grouped_projections(False)
+    a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "both")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    val = [[v for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "val"
+            for k, v in sorted(r.items()) if k.startswith("val/loss_")] for name in ("plain", "both")]
+    assert val[0] and val[1] == pytest.approx(val[0], rel=1e-5)
+    wa = torch.load(plain.checkpoint / "state", weights_only=False)["model"]
+    wb = torch.load(both.checkpoint / "state", weights_only=False)["model"]
+    for k, v in wa.items():
+        torch.testing.assert_close(wb[k], v, rtol=1e-4, atol=1e-6)
 
 
 def test_resume_equals_uninterrupted(corpus, tmp_path):
@@ -111,6 +137,7 @@ sys.exit(run(main, sys.argv[1:], "pretrain"))
 """
 
 
+@pytest.mark.slow
 def test_crash_mid_save_keeps_the_last_good_checkpoint(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6), checkpoint=dict(interval=2))
     out = tmp_path / "run"
@@ -129,6 +156,7 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(corpus, tmp_path):
     assert not list(ckpts.glob(".step-*"))
 
 
+@pytest.mark.slow
 def test_slurm_signal_saves_requeues_and_resumes(corpus, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -216,6 +244,7 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(corpus, tmp_path, monk
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]  # the last good one
 
 
+@pytest.mark.slow
 def test_wall_clock_budget_saves_and_exits(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=1000, max_wall_time="4"))
     started = time.time()

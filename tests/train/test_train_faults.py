@@ -110,6 +110,7 @@ def test_token_ids_beyond_the_vocabulary_name_the_data(corpus, tmp_path):
         run_fit(cfg, tmp_path / "run2")
 
 
+@pytest.mark.slow
 def test_a_second_trainer_on_the_same_folder_is_refused(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6))
     out = tmp_path / "run"

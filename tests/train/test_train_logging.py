@@ -8,6 +8,8 @@ import logging
 import re
 import sys
 
+import pytest
+
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -18,6 +20,7 @@ def run_fit(cfg, out_dir, **overrides):
     return fit(load_recipe(str(cfg), {k: str(v) for k, v in overrides.items()}, out_dir=str(out_dir)))
 
 
+@pytest.mark.slow
 def test_csv_wandb_offline_and_a_profiler_trace(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4, profile_steps="2-3"),

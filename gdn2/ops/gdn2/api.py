@@ -11,21 +11,20 @@ from typing import Optional
 import torch
 
 from gdn2.ops.backend import select_backend
+from gdn2.ops.checks import check_cu_seqlens, device_of, check_scale, check_tensors, check_triton_dtypes
 from gdn2.ops.gdn2.naive import chunk_gdn2_reference, recurrent_gdn2_reference
 
 MAX_HEAD_DIM = 256
 
 
-def check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path: bool) -> None:
-    """Raise ValueError naming the argument for any input the GDN-2 operators cannot take."""
+def check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path: bool) -> None:
+    """Raise ValueError naming the argument for any input the GDN-2 operators cannot take.
+
+    The values of ``g`` are not checked (that would need a host synchronisation): ``g`` must be <= 0,
+    and a positive ``g`` (a growing state) overflows to inf/NaN.
+    """
     named = dict(q=q, k=k, v=v, g=g, b=b, w=w)
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 [B, T, H, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    check_tensors(named, 4, "[B, T, H, D]")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     for name, t in named.items():
@@ -45,26 +44,20 @@ def check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path: b
         raise ValueError(f"q/k head dim K={K} exceeds the supported maximum {MAX_HEAD_DIM}")
     if V > MAX_HEAD_DIM:
         raise ValueError(f"v head dim V={V} exceeds the supported maximum {MAX_HEAD_DIM}")
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least two offsets")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} .. {cu[-1]}")
-        if any(a >= c for a, c in zip(cu[:-1], cu[1:])):
-            raise ValueError("cu_seqlens must be strictly increasing")
-        N = len(cu) - 1
+    check_scale(scale)
+    N = check_cu_seqlens(cu_seqlens, B, T) or B
     if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise ValueError(f"initial_state must be a tensor or None, got {type(initial_state).__name__}")
         allowed = (torch.float32, torch.float64) if (torch_path and v.dtype == torch.float64) else (torch.float32,)
         if initial_state.dtype not in allowed:
             raise ValueError(f"initial_state must be float32, got {initial_state.dtype}")
         if tuple(initial_state.shape) != (N, HV, K, V):
             raise ValueError(f"initial_state must have shape {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+    if not torch_path:
+        check_triton_dtypes(named)
 
 
 def chunk_gdn2(
@@ -75,13 +68,14 @@ def chunk_gdn2(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked GDN-2 (training and prefill).
 
-    q, k, b: [B,T,H,K]; g: [B,T,H,K] natural-log decay (<= 0, fp32 or bf16); v, w: [B,T,HV,V];
+    q, k, b: [B,T,H,K]; g: [B,T,H,K] natural-log decay (<= 0, fp32 or bf16; not checked, a positive
+    decay overflows to inf/NaN); v, w: [B,T,HV,V];
     initial_state: fp32 [N,HV,K,V] (N = B, or the number of sequences in ``cu_seqlens``, which
     needs B == 1). ``scale`` defaults to K**-0.5. Returns ``o`` [B,T,HV,V] in q's dtype and the fp32
     final state when ``output_final_state``. Differentiable in every tensor input.
     """
-    be = select_backend("gdn2", q.device, backend)
-    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
+    be = select_backend("gdn2", device_of("q", q), backend)
+    check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path=be == "torch")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if be == "triton":
@@ -106,8 +100,8 @@ def fused_recurrent_gdn2(
     and returns that tensor, so a decoding cache is updated without copies. Inference only on the
     Triton path; the torch path is differentiable.
     """
-    be = select_backend("gdn2", q.device, backend)
-    check_gdn2_inputs(q, k, v, g, b, w, initial_state, cu_seqlens, torch_path=be == "torch")
+    be = select_backend("gdn2", device_of("q", q), backend)
+    check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path=be == "torch")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state=True needs an initial_state to update")
     if scale is None:

@@ -12,14 +12,14 @@ from typing import Optional
 import torch
 
 from gdn2.ops.backend import select_backend
+from gdn2.ops.checks import check_cu_seqlens, device_of, check_scale, check_tensors, check_triton_dtypes
 from gdn2.ops.swa.naive import sliding_window_attention_torch
 
 
-def check_swa_inputs(q, k, v, window, cu_seqlens) -> None:
-    for name, t in dict(q=q, k=k, v=v).items():
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a rank-4 tensor [B, T, H, D], got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+def check_swa_inputs(q, k, v, window, scale, cu_seqlens, torch_path: bool) -> None:
+    """Raise ValueError naming the argument for any input the attention operator cannot take."""
+    named = dict(q=q, k=k, v=v)
+    check_tensors(named, 4, "[B, T, H, D]")
     B, T, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -27,14 +27,14 @@ def check_swa_inputs(q, k, v, window, cu_seqlens) -> None:
         raise ValueError(f"k must be [B={B}, T={T}, Hkv, D={D}], got {tuple(k.shape)}")
     if H % k.shape[2] != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({k.shape[2]})")
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys seen, the query included) or None, got {window!r}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        cu = cu_seqlens.tolist()
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(a >= c for a, c in zip(cu[:-1], cu[1:])):
-            raise ValueError(f"cu_seqlens must increase strictly from 0 to T={T}, got {cu}")
+    check_scale(scale)
+    check_cu_seqlens(cu_seqlens, B, T)
+    if not torch_path:
+        check_triton_dtypes(named)
 
 
 def sliding_window_attention(
@@ -49,9 +49,11 @@ def sliding_window_attention(
     [N+1], B == 1) keeps packed documents apart. ``scale`` defaults to D**-0.5. Returns [B,T,H,D] in
     q's dtype.
     """
-    check_swa_inputs(q, k, v, window, cu_seqlens)
-    be = select_backend("swa", q.device, backend)
+    be = select_backend("swa", device_of("q", q), backend)
+    check_swa_inputs(q, k, v, window, scale, cu_seqlens, torch_path=be == "torch")
     if be == "flash":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"q is {q.dtype}; flash-attn takes float16 or bfloat16 (use backend='triton')")
         return _flash_attn(q, k, v, window, scale, cu_seqlens)
     if be == "triton":
         from gdn2.ops.swa.attention import sliding_window_attention_triton

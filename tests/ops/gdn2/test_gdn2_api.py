@@ -16,7 +16,9 @@ def _ins(B=1, T=8, H=2, K=16, V=16, HV=None, dtype=torch.float32):
 
 def _bad_cases():
     q, k, v, g, b, w = _ins()
+    yield "q", "q must be a tensor, got list", dict(q=q.tolist())
     yield "q", "q must be a tensor", dict(q=q.numpy())
+    yield "v", "v is on meta, q on cpu", dict(v=v.to("meta"))
     yield "q", "q must have rank 4", dict(q=q[0])
     yield "b", "b must be a floating tensor", dict(b=(b > 0.5))
     yield "v", "v has batch/length", dict(v=v[:, :4], w=w[:, :4])
@@ -25,11 +27,15 @@ def _bad_cases():
     yield "v", "v has 3 heads, not a multiple", dict(v=torch.randn(1, 8, 3, 16), w=torch.randn(1, 8, 3, 16))
     yield "g", "g must be", dict(g=g[..., :8])  # key axis
     yield "b", "b must be", dict(b=torch.rand(1, 8, 3, 16))  # neither H nor HV heads
+    yield "q", "q must not be empty", dict(zip("qkvgbw", _ins(K=0)))
+    yield "scale", "scale must be a finite number", dict(scale="0.5")
+    yield "scale", "scale must be a finite number", dict(scale=float("nan"))
     big = _ins(K=272)
     yield "K", "K=272 exceeds", dict(zip("qkvgbw", big))
     big = _ins(V=264)
     yield "V", "V=264 exceeds", dict(v=big[2], w=big[5])
     yield "cu_seqlens", "cu_seqlens must be a 1-D integer tensor", dict(cu_seqlens=torch.tensor([0.0, 8.0]))
+    yield "cu_seqlens", "cu_seqlens must be a 1-D integer tensor \\[N\\+1\\], got list", dict(cu_seqlens=[0, 8])
     yield "cu_seqlens", "cu_seqlens requires batch size 1", dict(zip("qkvgbw", _ins(B=2)),
                                                                  cu_seqlens=torch.tensor([0, 4, 8]))
     yield "cu_seqlens", "at least two offsets", dict(cu_seqlens=torch.tensor([0]))
@@ -38,6 +44,8 @@ def _bad_cases():
     yield "initial_state", "initial_state must be float32", dict(
         initial_state=torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16))
     yield "initial_state", "initial_state must have shape", dict(initial_state=torch.zeros(2, 2, 16, 16))
+    yield "initial_state", "initial_state must be a tensor or None, got list", dict(
+        initial_state=torch.zeros(1, 2, 16, 16).tolist())
     # with cu_seqlens the state has one row per sequence
     yield "initial_state", "initial_state must have shape", dict(cu_seqlens=torch.tensor([0, 3, 8]),
                                                                  initial_state=torch.zeros(1, 2, 16, 16))
@@ -65,11 +73,13 @@ def test_both_entry_points_validate_on_every_backend(op, backend, monkeypatch):
         op(q, k[..., :8], v, g, b, w, backend=backend)
 
 
-def test_float64_state_only_on_the_torch_path():
+def test_float64_only_on_the_torch_path():
     h0 = torch.zeros(1, 2, 16, 16, dtype=torch.float64)
     chunk_gdn2(*_ins(dtype=torch.float64), initial_state=h0, backend="torch")  # the oracle path accepts it
     with pytest.raises(ValueError, match="initial_state must be float32"):
         chunk_gdn2(*_ins(dtype=torch.float64), initial_state=h0, backend="triton")
+    with pytest.raises(ValueError, match="q is torch.float64, which the Triton kernels do not take"):
+        chunk_gdn2(*_ins(dtype=torch.float64), backend="triton")
 
 
 def test_inplace_needs_an_initial_state():

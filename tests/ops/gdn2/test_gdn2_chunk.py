@@ -150,6 +150,7 @@ def test_grouped_value_heads_bf16_gate_and_custom_scale():
     check(got, oracle(ins, h0, do, dht, cu, case, scale=0.3), torch.float32, dict(TOL[torch.float32], dg=1e-2))
 
 
+@pytest.mark.slow
 def test_steep_gates_anchored_and_exact_diagonal_paths(monkeypatch):
     """Three chunks, two key blocks. Key block 0 decays at -4 nats per token everywhere, near the fast
     bound of the anchored diagonal blocks (factors up to 2^46 inside a sub-chunk); in key block 1 bursts

@@ -11,16 +11,24 @@ from gdn2.ops.testing import rel_err
 
 def _bad_cases():
     q, kv = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8)
-    yield "q must be a rank-4 tensor", dict(q=q[0])
-    yield "k must be a rank-4 tensor", dict(k=kv.numpy())
+    yield "q must have rank 4 \\[B, T, H, D\\], got shape \\(4, 2, 8\\)", dict(q=q[0])
+    yield "k must be a tensor, got ndarray", dict(k=kv.numpy())
     yield "k and v must have the same shape", dict(v=kv[..., :4])
     yield "k must be \\[B=1, T=4, Hkv, D=8\\]", dict(k=kv[:, :2], v=kv[:, :2])
     yield "q heads \\(2\\) must be a multiple of k/v heads \\(3\\)", dict(k=torch.zeros(1, 4, 3, 8),
                                                                             v=torch.zeros(1, 4, 3, 8))
     yield "window must be a positive int", dict(window=0)
+    yield "window must be a positive int .* got True", dict(window=True)
+    yield "q must be a floating tensor, got torch.int64", dict(q=q.long())
+    yield "q, k and v must share a dtype", dict(k=kv.half(), v=kv.half())
+    yield "q must not be empty", dict(k=kv[..., :0], v=kv[..., :0], q=q[..., :0])
+    yield "scale must be a finite number or None, got '1'", dict(scale="1")
+    yield "cu_seqlens must be a 1-D integer tensor", dict(cu_seqlens=torch.tensor([0.0, 4.0]))
+    yield "q is torch.float64, which the Triton kernels do not take", dict(q=q.double(), k=kv.double(),
+                                                                          v=kv.double())
     yield "cu_seqlens requires batch size 1", dict(q=q.expand(2, -1, -1, -1), k=kv.expand(2, -1, -1, -1),
                                                    v=kv.expand(2, -1, -1, -1), cu_seqlens=torch.tensor([0, 4]))
-    yield "cu_seqlens must increase strictly from 0 to T=4", dict(cu_seqlens=torch.tensor([0, 2, 2, 4]))
+    yield "cu_seqlens must be strictly increasing", dict(cu_seqlens=torch.tensor([0, 2, 2, 4]))
 
 
 BAD = list(_bad_cases())
