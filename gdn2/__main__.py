@@ -42,6 +42,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command not in COMMANDS:
         print(f"gdn2: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if command == "pretrain":
+        from gdn2.train.slurm import catch_early_signals
+
+        catch_early_signals()  # before torch is imported: a SLURM signal during start-up is answered
     from gdn2.commandline import run
 
     module, function, _ = COMMANDS[command]

@@ -157,6 +157,26 @@ def resolve_topology(devices: Optional[int], num_nodes: Optional[int], env: Mapp
     return Topology(devices if devices is not None else "auto", num_nodes or 1, "local")
 
 
+_early: list[str] = []  # SIGUSR1 / SIGTERM received before StopSignals was installed
+
+
+def _record_early(signum: int, frame) -> None:
+    _early.append(signal.Signals(signum).name)
+
+
+def catch_early_signals() -> None:
+    """Record SIGUSR1 and SIGTERM from the first line of the pretrain command on, instead of dying of
+    them: a SLURM warning or a preemption that comes while Python imports torch and the trainer sets up
+    is answered at the first step (a save, and a requeue under SLURM) once :class:`StopSignals` is
+    installed. Light: imports nothing beyond the standard library."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGUSR1", "SIGTERM"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, _record_early)
+
+
 class StopSignals:
     """Turns SIGUSR1 / SIGTERM / SIGINT into a flag the training loop polls once per step.
 
@@ -177,6 +197,10 @@ class StopSignals:
             sig = getattr(signal, name, None)
             if sig is not None:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if _early and self.received is None:
+            self.received = _early[-1]  # came during start-up: answered at the first step
+            log.info("%s received during start-up: the run saves and stops after its first step", self.received)
+        _early.clear()
         return self
 
     def _handle(self, signum: int, frame) -> None:

@@ -156,8 +156,18 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(corpus, tmp_path):
     assert not list(ckpts.glob(".step-*"))
 
 
+def _handles_sigusr1(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGUSR1 (Linux: bit 10 of SigCgt in /proc/PID/status)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) & (1 << (signal.SIGUSR1 - 1)))
+
+
 @pytest.mark.slow
-def test_slurm_signal_saves_requeues_and_resumes(corpus, tmp_path):
+def test_slurm_signal_during_start_up_saves_requeues_and_resumes(corpus, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol_args"
@@ -172,23 +182,24 @@ def test_slurm_signal_saves_requeues_and_resumes(corpus, tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", str(cfg), "--out_dir",
                              str(out), "--resume", "auto"], cwd=ROOT, env=dict(os.environ, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        for line in proc.stdout:  # wait until training runs, then send SLURM's warning signal
-            lines.append(line)
-            if "step 2/500" in line:
-                proc.send_signal(signal.SIGUSR1)
-                break
-        lines.extend(proc.stdout)
-        rc = proc.wait(timeout=300)
+        # SLURM's warning signal while Python is still starting up (importing torch): as soon as the
+        # process handles SIGUSR1, long before its first step. The signal during training is the SLURM
+        # cluster test's.
+        deadline = time.monotonic() + 60
+        while not _handles_sigusr1(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGUSR1)
+        log, _ = proc.communicate(timeout=300)
+        rc = proc.returncode
     finally:
         proc.kill()
-    log = "".join(lines)
     assert rc == 0, log[-3000:]
+    assert "SIGUSR1 received during start-up" in log and "step 2/500" not in log
     saved = list_checkpoints(out / "checkpoints")
     assert len(saved) == 1
     step = saved[0][0]
-    assert 2 <= step < 500
+    assert step == 1
     assert record.read_text().split() == ["requeue", "777"]
     assert "job requeued" in log
     # the requeued job: --resume auto picks the checkpoint up
