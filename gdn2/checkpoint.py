@@ -2,8 +2,10 @@
 
 Training checkpoint: one folder ``<dir>/step-<step:09d>/``::
 
-    state            model + optimizer + trainer counters: a folder of torch.distributed.checkpoint
-                     shards (FSDP, state_dict_type "sharded") or one file
+    state            model + optimizer + trainer counters, under the bare model's names: a folder of
+                     torch.distributed.checkpoint shards (state_dict_type "sharded", the default; the
+                     counters in state/meta.pt) or one file of full tensors ("full"). Either resumes
+                     on any number of ranks, with any strategy.
     ranks/rank-<r>.pt  per rank: data-loader state and RNG states
     config.yaml      the resolved recipe
     COMPLETE         JSON marker, written last: step, tokens, world size, and the size and sha256 of
@@ -39,6 +41,7 @@ import random
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -71,6 +74,7 @@ def bare_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 
 MARKER = "COMPLETE"
 STATE = "state"
+SHARDED_META = "meta.pt"  # inside a sharded state folder: the trainer counters
 RANKS = "ranks"
 CONFIG = "config.yaml"
 _NAME = re.compile(r"^step-(\d+)$")
@@ -298,10 +302,10 @@ def write_marker(path: Path, marker: dict[str, Any]) -> None:
 
 
 def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], rank_state: dict[str, Any],
-                    config_yaml: str, info: dict[str, Any], keep_last: int) -> Path:
+                    config_yaml: str, info: dict[str, Any], keep_last: int, sharded: bool = True) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; every rank calls this.
 
-    ``state``: what ``fabric.save`` takes (``{"model", "optimizer", "trainer": dict}``).
+    ``state``: ``{"model", "optimizer", "trainer": dict}`` (see :func:`save_state`; ``sharded``: its format).
     ``rank_state``: this rank's picklable extras (data loader, RNG). ``info`` goes into the marker.
     Afterwards only the newest ``keep_last`` complete checkpoints are kept.
     """
@@ -318,7 +322,7 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
                 shutil.rmtree(stale)
     fabric.barrier()
 
-    save_state(fabric, tmp / STATE, state)
+    save_state(fabric, tmp / STATE, state, sharded=sharded)
     ranks = tmp / RANKS
     ranks.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state, ranks / f"rank-{fabric.global_rank:05d}.pt")
@@ -336,24 +340,55 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
     return final
 
 
-def save_state(fabric: Any, path: Path, state: dict[str, Any]) -> None:
-    """Model, optimizer and counters into ``path``, written in place: a sharded FSDP state through
-    Fabric (torch.distributed.checkpoint writes each rank's shards into the folder); otherwise rank 0
-    writes one file itself (Fabric's single-file save stages the whole state in the temporary
-    directory first, which a small ``/tmp`` cannot hold)."""
-    from lightning.fabric.strategies import FSDPStrategy
+def _bare_objects(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """The module and optimizer inside Fabric's wrappers (FSDP / DDP wrappers stay: the state-dict
+    API below understands them)."""
+    from lightning.fabric.wrappers import _unwrap_objects
 
-    if isinstance(fabric.strategy, FSDPStrategy):
-        fabric.save(path, state)
-        return
-    if fabric.global_rank == 0:
-        plain = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+    return _unwrap_objects(model), _unwrap_objects(optimizer)
+
+
+@contextmanager
+def _quiet_single_process():
+    """torch.distributed.checkpoint warns on every call in one process (no process group) that it
+    assumes one process: that is the intent here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_state(fabric: Any, path: Path, state: dict[str, Any], sharded: bool = True) -> None:
+    """Model, optimizer and trainer counters into ``path``, written in place, in one format for every
+    strategy (one device, DDP, FSDP, FSDP2), so that any run can resume any checkpoint on any number
+    of ranks: parameter and optimizer-state names are the bare model's (torch.distributed.checkpoint's
+    state-dict API), and ``sharded`` (``checkpoint.state_dict_type: sharded``) writes a
+    torch.distributed.checkpoint folder, each rank its own shards, with the counters in ``meta.pt``;
+    otherwise rank 0 writes one file of full tensors (gathered on the CPU)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    module, optimizer = _bare_objects(state["model"], state["optimizer"])
+    options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+    if sharded:
+        path.mkdir(parents=True, exist_ok=True)
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        if fabric.global_rank == 0:
+            _write_durably(path / SHARDED_META, {"trainer": state["trainer"]})
+    elif fabric.global_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            torch.save(plain, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_durably(path, {"model": model_sd, "optimizer": optim_sd, "trainer": state["trainer"]})
     fabric.barrier()
+
+
+def _write_durably(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
@@ -373,16 +408,35 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
     """Restore ``model`` and ``optimizer`` in place from checkpoint ``path``; every rank calls this.
 
     Returns (trainer counters, this rank's extras). The checkpoint may come from another number of
-    ranks: a sharded state is resharded on load; a rank the checkpoint had no file for takes rank 0's
-    extras (the data-loader state is the same on every rank; the RNG state then comes from rank 0).
+    ranks and another strategy: a sharded state is resharded on load (torch.distributed.checkpoint), a
+    full one is read by every rank and each keeps its part; a rank the checkpoint had no file for takes
+    rank 0's extras (the data-loader state is the same on every rank; the RNG state then comes from
+    rank 0).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
     path = Path(path)
-    remainder = fabric.load(path / STATE, {"model": model, "optimizer": optimizer})
+    module, optim = _bare_objects(model, optimizer)
+    state_path = path / STATE
+    if state_path.is_dir():
+        # the live state dicts are the templates: shapes, shardings, and the optimizer state initialised
+        model_sd, optim_sd = get_state_dict(module, optim)
+        loaded = {"model": model_sd, "optimizer": optim_sd}
+        with _quiet_single_process():
+            dcp.load(loaded, checkpoint_id=str(state_path))
+        set_state_dict(module, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        trainer = torch.load(state_path / SHARDED_META, map_location="cpu", weights_only=False)["trainer"]
+    else:
+        blob = torch.load(state_path, map_location="cpu", weights_only=False)
+        set_state_dict(module, optim, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        trainer = blob["trainer"]
     rank_file = path / RANKS / f"rank-{fabric.global_rank:05d}.pt"
     if not rank_file.is_file():
         rank_file = path / RANKS / "rank-00000.pt"
     extras = torch.load(rank_file, map_location="cpu", weights_only=False)
-    return remainder["trainer"], extras
+    return trainer, extras
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +456,8 @@ def _load_sharded_model(state_dir: Path) -> dict[str, torch.Tensor]:
             model[key[len("model."):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not model:
         raise ValueError(f"{state_dir}: no model tensors in this distributed checkpoint")
-    load({"model": model}, storage_reader=reader, no_dist=True)
+    with _quiet_single_process():
+        load({"model": model}, storage_reader=reader, no_dist=True)
     return model
 
 

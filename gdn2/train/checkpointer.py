@@ -31,7 +31,8 @@ class Checkpointer:
                 self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
                 rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
                 config_yaml=self.recipe.to_yaml(),
-                info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last)
+                info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last,
+                sharded=c.state_dict_type == "sharded")
         except OSError as error:  # a full disk, most often: say what is safe
             raise OSError(error.errno, f"{error.strerror or error} while saving the checkpoint of step "
                                        f"{self.state.step} in {self.recipe.checkpoint_dir}; the last good checkpoint "

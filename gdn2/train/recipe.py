@@ -112,8 +112,9 @@ class CheckpointConfig:
     interval: int = _opt(1000, "save every this many optimizer steps; 0: only at the end and on signals")
     keep_last: int = _opt(3, "keep this many complete checkpoints, delete older ones")
     dir: Optional[str] = _opt(None, "checkpoint folder; null: <out_dir>/checkpoints")
-    state_dict_type: str = _opt("sharded", "FSDP checkpoints: 'sharded' (one file per rank, "
-                                           "torch.distributed.checkpoint) or 'full' (one file)")
+    state_dict_type: str = _opt("sharded", "'sharded' (torch.distributed.checkpoint, each rank writes its "
+                                           "shards) or 'full' (rank 0 writes one file); either resumes on "
+                                           "any number of ranks")
     at_end: bool = _opt(True, "save after the last step")
 
 

@@ -66,7 +66,6 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
             auto_wrap_policy={Block},
             activation_checkpointing_policy={Block} if recipe.train.activation_checkpointing else None,
             sharding_strategy={"full": "FULL_SHARD", "hybrid": "HYBRID_SHARD", "grad_op": "SHARD_GRAD_OP"}[sharding],
-            state_dict_type=recipe.checkpoint.state_dict_type,
             # bf16 compute and all-gathers, fp32 gradient reduction (Fabric's "bf16-mixed" alone would
             # reduce in bf16)
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

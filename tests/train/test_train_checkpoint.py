@@ -41,14 +41,15 @@ def save(fabric, model, optimizer, root, step, **kw):
                            info={"tokens": step * 10}, keep_last=kw.pop("keep_last", 3), **kw)
 
 
-def test_save_load_roundtrip_and_resume_resolution(tmp_path):
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
+def test_save_load_roundtrip_and_resume_resolution(tmp_path, sharded):
     fabric, model, optimizer = make_fabric_model()
     root = tmp_path / "ckpt"
     assert resolve_resume("auto", root) is None
     train_a_step(model, optimizer)
-    first = save(fabric, model, optimizer, root, 1)
+    first = save(fabric, model, optimizer, root, 1, sharded=sharded)
     train_a_step(model, optimizer)
-    second = save(fabric, model, optimizer, root, 2)
+    second = save(fabric, model, optimizer, root, 2, sharded=sharded)
     assert [s for s, _ in list_checkpoints(root)] == [1, 2]
     assert resolve_resume("auto", root) == second
     assert resolve_resume(str(root), root) == second
@@ -57,11 +58,14 @@ def test_save_load_roundtrip_and_resume_resolution(tmp_path):
     assert marker["step"] == 2 and marker["tokens"] == 20 and marker["world_size"] == 1
 
     expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
     train_a_step(model, optimizer)  # move away, then restore
     trainer, extras = load_checkpoint(fabric, second, model, optimizer)
     assert trainer == {"step": 2} and extras == {"data": {"n": 2}}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=0, atol=0)
+    for p, m in zip(model.parameters(), moments):
+        torch.testing.assert_close(optimizer.state[p]["exp_avg_sq"], m, rtol=0, atol=0)
 
 
 def test_crash_inside_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -105,30 +109,21 @@ def test_keep_last(tmp_path):
     assert prune_checkpoints(root, 1) == [root / "step-000000004"]
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_consolidate_full_and_sharded_formats(tmp_path):
-    """The single-file format (one device) and the torch.distributed.checkpoint folder FSDP writes."""
-    from torch.distributed.checkpoint import save as dcp_save
-
+    """Both state formats (a torch.distributed.checkpoint folder, one file of full tensors) consolidate
+    to the model's weights; a marker without checksums (as written before they were recorded) is accepted."""
     fabric, model, optimizer = make_fabric_model()
     train_a_step(model, optimizer)
-    root = tmp_path / "ckpt"
-    path = save(fabric, model, optimizer, root, 7,
-                config_yaml=yaml.safe_dump({"model": Config(**MICRO_MODEL).to_dict()}))
-    full = consolidate_checkpoint(path)
-    assert full["step"] == 7 and full["tokens"] == 70 and full["config"]["n_layer"] == 2
-
-    # the layout FSDP's sharded save produces: one DCP folder with "model.*" and "optimizer.*" entries
-    sharded = tmp_path / "sharded" / "step-000000007"
-    sharded.mkdir(parents=True)
-    state = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-             "optimizer": {"state": {"0": {"exp_avg": torch.ones(3)}}}}
-    dcp_save(state, checkpoint_id=sharded / "state", no_dist=True)
-    (sharded / "config.yaml").write_text((path / "config.yaml").read_text())
+    config_yaml = yaml.safe_dump({"model": Config(**MICRO_MODEL).to_dict()})
+    sharded = save(fabric, model, optimizer, tmp_path / "sharded", 7, config_yaml=config_yaml)
+    assert (sharded / "state").is_dir()
+    path = save(fabric, model, optimizer, tmp_path / "full", 7, config_yaml=config_yaml, sharded=False)
+    assert (path / "state").is_file()
     marker = json.loads((path / MARKER).read_text())
-    del marker["files"]  # a marker without checksums (as written before they were recorded) is accepted
-    (sharded / MARKER).write_text(json.dumps(marker))
-    from_dcp = consolidate_checkpoint(sharded)
+    del marker["files"]
+    (path / MARKER).write_text(json.dumps(marker))
+    full, from_dcp = consolidate_checkpoint(path), consolidate_checkpoint(sharded)
+    assert full["step"] == 7 and full["tokens"] == 70 and full["config"]["n_layer"] == 2
 
     for d in (full, from_dcp):
         restored = GPT(Config.from_dict(d["config"]))

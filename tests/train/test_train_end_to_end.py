@@ -18,7 +18,7 @@ from gdn2.checkpoint import consolidate_main, list_checkpoints, read_marker
 from gdn2.train.loop import NonFiniteLossError, fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
-from train_helpers import ROOT, micro_config, run_main
+from train_helpers import ROOT, micro_config, read_state, run_main
 
 
 def train_losses(out_dir):
@@ -81,8 +81,7 @@ def test_fused_loss_and_grouped_projections_train_the_same_run(corpus, tmp_path)
     val = [[v for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "val"
             for k, v in sorted(r.items()) if k.startswith("val/loss_")] for name in ("plain", "both")]
     assert val[0] and val[1] == pytest.approx(val[0], rel=1e-5)
-    wa = torch.load(plain.checkpoint / "state", weights_only=False)["model"]
-    wb = torch.load(both.checkpoint / "state", weights_only=False)["model"]
+    wa, wb = read_state(plain.checkpoint)["model"], read_state(both.checkpoint)["model"]
     for k, v in wa.items():
         torch.testing.assert_close(wb[k], v, rtol=1e-4, atol=1e-6)
 
@@ -100,8 +99,7 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
-    wa = torch.load(whole.checkpoint / "state", weights_only=False)
-    wb = torch.load(second.checkpoint / "state", weights_only=False)
+    wa, wb = read_state(whole.checkpoint), read_state(second.checkpoint)
     for k, v in wa["model"].items():
         torch.testing.assert_close(wb["model"][k], v, rtol=1e-6, atol=1e-7)
     ra = torch.load(whole.checkpoint / "ranks" / "rank-00000.pt", weights_only=False)
@@ -234,9 +232,7 @@ def test_nonfinite_loss_skips_the_step(corpus, tmp_path, monkeypatch):
     assert [r["step"] for r in skips] == [3] and skips[0]["loss"] is None  # NaN is written as null
     assert [r["skipped_steps"] for r in records if r["kind"] == "train"] == [0, 0, 1, 1, 1]
     ckpts = dict(list_checkpoints(tmp_path / "run" / "checkpoints"))
-    s2 = torch.load(ckpts[2] / "state", weights_only=False)
-    s3 = torch.load(ckpts[3] / "state", weights_only=False)
-    s4 = torch.load(ckpts[4] / "state", weights_only=False)
+    s2, s3, s4 = (read_state(ckpts[i]) for i in (2, 3, 4))
     for k in s2["model"]:  # the skipped step changed neither weights nor optimizer moments
         assert torch.equal(s2["model"][k], s3["model"][k]), k
     for i, st in s2["optimizer"]["state"].items():

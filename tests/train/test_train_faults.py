@@ -18,7 +18,7 @@ from gdn2.checkpoint import CorruptCheckpointError, consolidate_main, list_check
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
-from train_helpers import ROOT, micro_config
+from train_helpers import ROOT, micro_config, read_state
 
 
 def run_fit(cfg, out_dir, resume=None, **overrides):
@@ -53,7 +53,7 @@ def test_resuming_an_older_checkpoint_makes_its_checkpoints_the_runs_own(saved_r
     (superseded,) = (ckpts / checkpoint.SUPERSEDED).iterdir()  # the old 4 and 6, kept, out of the way
     assert sorted(p.name for p in superseded.iterdir()) == ["step-000000004", "step-000000006"]
     # the new checkpoints hold the new trajectory: its step 4 is not the old run's step 4
-    new4 = torch.load(ckpts / "step-000000004" / "state", weights_only=False)["trainer"]
+    new4 = read_state(ckpts / "step-000000004")["trainer"]
     assert new4["step"] == 4
     assert checkpoint.read_marker(ckpts / "step-000000004")["saved_at"] > checkpoint.read_marker(
         superseded / "step-000000004")["saved_at"]
@@ -64,10 +64,11 @@ def test_resuming_an_older_checkpoint_makes_its_checkpoints_the_runs_own(saved_r
 def test_a_flipped_bit_is_named_by_resume_and_consolidate(saved_run, capsys):
     cfg, out = saved_run
     newest = out / "checkpoints" / "step-000000006"
-    flip_a_byte(newest / "state")
-    with pytest.raises(CorruptCheckpointError, match=r"step-000000006/state: content differs"):
+    (shard,) = (newest / "state").glob("*.distcp")  # the weights and optimizer state, one process's shards
+    flip_a_byte(shard)
+    with pytest.raises(CorruptCheckpointError, match=rf"step-000000006/state/{shard.name}: content differs"):
         run_fit(cfg, out, resume=str(newest), **{"train.max_steps": 8})
-    with pytest.raises(CorruptCheckpointError, match=r"step-000000006/state: content differs"):
+    with pytest.raises(CorruptCheckpointError, match=rf"step-000000006/state/{shard.name}: content differs"):
         consolidate_main([str(newest)])
     assert not (out / "final").exists()
 
@@ -76,7 +77,8 @@ def test_resume_auto_skips_a_damaged_or_incomplete_newest_checkpoint(saved_run, 
     cfg, out = saved_run
     ckpts = out / "checkpoints"
     flip_a_byte(ckpts / "step-000000006" / "ranks" / "rank-00000.pt")
-    (ckpts / "step-000000004" / "state").write_bytes(b"short")  # truncated
+    (shard,) = (ckpts / "step-000000004" / "state").glob("*.distcp")
+    shard.write_bytes(b"short")  # truncated
     with caplog.at_level(logging.INFO, logger="gdn2"):
         result = run_fit(cfg, out, resume="auto", **{"train.max_steps": 7})
     assert result.step == 7

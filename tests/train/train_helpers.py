@@ -64,3 +64,23 @@ def run_main(args: list[str], env_extra: dict | None = None, timeout: float = 30
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     return subprocess.run([sys.executable, str(ROOT / "pretrain" / "main.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def read_state(checkpoint: Path) -> dict:
+    """A training checkpoint's ``state`` in this process: ``{"model", "optimizer", "trainer"}`` with full
+    tensors under the bare model's names, from either format (folder of shards or one file)."""
+    import tempfile
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = Path(checkpoint) / "state"
+    if state.is_file():
+        return torch.load(state, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_to_torch_save(state, Path(tmp) / "state.pt")
+        blob = torch.load(Path(tmp) / "state.pt", weights_only=False)
+    blob["trainer"] = torch.load(state / "meta.pt", weights_only=False)["trainer"]
+    return blob
