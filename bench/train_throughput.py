@@ -24,6 +24,12 @@ side, the ratio of the two, and an out-of-memory recorded as such. ``--phase pro
 ``--compare`` profiles both configs. ``--set key=value`` (repeatable) overrides a recipe value in every
 trial and in the trainer phase, e.g. ``--set train.fused_loss=true``.
 
+Phase ``scaling`` runs the trainer phase at every count of ``--gpus 1,2,4,8`` with every
+``--strategies`` entry (``fsdp``, ``fsdp2``, ``ddp``; ``-hybrid`` for a 2-D mesh of ``--replicas``
+groups, the layout hybrid sharding uses across nodes), with ``--trainer-global-batch`` sequences per step
+(128 x 4096 tokens is the real recipe's 0.5M): tokens/s per GPU, scaling efficiency against one GPU,
+MFU, peak memory, checkpoint save and load seconds, and the first losses (equal across strategies).
+
 Prints a table and writes ``train_throughput_<config>_<gpus>gpu.json`` to ``--out`` (default ``$OUT``
 or ``bench_out``). Stops starting new trials once ``--time-budget`` seconds have passed.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -253,7 +260,13 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     recipe = load_recipe(cfg.config)
     block = cfg.seq_len[0] if cfg.seq_len else recipe.model.block_size
     mb = cfg.trainer_micro_batch or recipe.train.micro_batch_size
-    gbs = mb * cfg.gpus * cfg.trainer_accum
+    accum = cfg.trainer_accum
+    if cfg.trainer_global_batch:
+        if cfg.trainer_global_batch % (mb * cfg.gpus):
+            raise SystemExit(f"--trainer-global-batch {cfg.trainer_global_batch} is not a multiple of "
+                             f"micro-batch {mb} x {cfg.gpus} GPUs")
+        accum = cfg.trainer_global_batch // (mb * cfg.gpus)
+    gbs = mb * cfg.gpus * accum
     data = workdir / "data"
     need = (cfg.trainer_steps + 3) * gbs * (block + 1)
     write_shards(data, recipe.model.vocab_size, need, 4 * block * cfg.gpus * 2 + 1)
@@ -269,7 +282,7 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
         common += ["--model.block_size", str(block)]
     for key, value in recipe_overrides(cfg.set).items():
         common += [f"--{key}", value]
-    report: dict = {"micro_batch": mb, "global_batch": gbs, "grad_accum": cfg.trainer_accum, "seq_len": block,
+    report: dict = {"micro_batch": mb, "global_batch": gbs, "grad_accum": accum, "seq_len": block,
                     "activation_checkpointing": cfg.trainer_ac}
     t0 = time.time()
     first = subprocess.run(torchrun(cfg.gpus, ROOT / "pretrain" / "main.py",
@@ -291,6 +304,8 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
     report["checkpoint"] = ckpts[-1].name if ckpts else None
     report["checkpoint_format"] = ("sharded" if ckpts and (ckpts[-1] / "state").is_dir() else "single file")
+    saves = re.findall(r"saved checkpoint \S+ in ([0-9.]+) s", first.stdout + first.stderr)
+    report["checkpoint_save_s"] = float(saves[-1]) if saves else None
     if cfg.trainer_no_resume:
         return report
 
@@ -301,6 +316,8 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     (workdir / "trainer_resume.log").write_text((second.stdout + second.stderr)[-200000:])
     report["resume_wall_s"] = round(time.time() - t0, 1)
     report["resume_rc"] = second.returncode
+    loads = re.findall(r"loaded in ([0-9.]+) s", second.stdout + second.stderr)
+    report["checkpoint_load_s"] = float(loads[-1]) if loads else None
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     report["resume_ok"] = second.returncode == 0 and steps == list(range(1, cfg.trainer_steps + 3))
     val = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "val"]
@@ -315,6 +332,48 @@ def trainer_phase(cfg: argparse.Namespace, workdir: Path) -> dict:
     report["consolidate_output"] = (cons.stdout + cons.stderr).strip().splitlines()[-1:] if (cons.stdout + cons.stderr).strip() else []
     shutil.rmtree(workdir / "final", ignore_errors=True)
     return report
+
+
+def scaling(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict]:
+    """The trainer phase at every ``--gpus`` count with every ``--strategies`` entry (one GPU once)."""
+    rows = []
+    for gpus in cfg.gpus_list:
+        for strategy in (["single"] if gpus == 1 else cfg.strategies):
+            if time.time() > deadline:
+                rows.append({"gpus": gpus, "strategy": strategy, "error": "time budget spent"})
+                continue
+            run = argparse.Namespace(**vars(cfg))
+            run.gpus = gpus
+            name, _, sharding = strategy.partition("-")
+            if gpus > 1:
+                run.set = cfg.set + [f"distributed.strategy={name}"]
+                if sharding == "hybrid":
+                    run.set += ["distributed.sharding=hybrid", f"distributed.replicas={cfg.replicas}"]
+            print(f"[scaling] {cfg.config} on {gpus} GPU(s), {strategy}", flush=True)
+            r = trainer_phase(run, workdir / f"scaling_{gpus}_{strategy}")
+            r.update(gpus=gpus, strategy=strategy)
+            rows.append(r)
+            print(json.dumps({k: r.get(k) for k in ("tokens_per_sec_per_gpu", "mfu", "peak_memory_gib",
+                                                     "checkpoint_save_s", "checkpoint_load_s", "losses")}),
+                  flush=True)
+    return rows
+
+
+def print_scaling(rows: list[dict]) -> None:
+    base = next((r["tokens_per_sec_per_gpu"] for r in rows if r["gpus"] == 1 and "tokens_per_sec_per_gpu" in r), None)
+    print("\n| GPUs | strategy | micro-batch x accumulation | tokens/s per GPU | scaling efficiency | MFU | peak GiB "
+          "| save s | load s | losses |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "tokens_per_sec_per_gpu" not in r:
+            print(f"| {r['gpus']} | {r['strategy']} | - | failed: {str(r.get('error'))[:80]} | - | - | - | - | - | - |")
+            continue
+        eff = f"{r['tokens_per_sec_per_gpu'] / base:.1%}" if base else "-"
+        fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+        print(f"| {r['gpus']} | {r['strategy']} | {r['micro_batch']} x {r['grad_accum']} | "
+              f"{r['tokens_per_sec_per_gpu']:,.0f} | {eff} | {_pct(r.get('mfu'))} | {r['peak_memory_gib']:.1f} | "
+              f"{fmt(r.get('checkpoint_save_s'))} | {fmt(r.get('checkpoint_load_s'))} | "
+              f"{' '.join(f'{x:.4f}' for x in r['losses'][:4])} |")
 
 
 def _pct(x: Optional[float]) -> str:
@@ -381,10 +440,17 @@ def print_profile(config: str, r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="swa_gdn2_1.3B")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs on this machine to use (default: all)")
-    p.add_argument("--phase", choices=("all", "trainer", "search", "profile", "sweep"), default="all",
+    p.add_argument("--gpus", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="GPUs on this machine to use (default: all); --phase scaling: a list, e.g. 1,2,4,8")
+    p.add_argument("--phase", choices=("all", "trainer", "search", "profile", "sweep", "scaling"), default="all",
                    help="all = trainer + search; profile: one trial's step split by kernel category; sweep: "
-                        "--config against --compare at every --seq-len")
+                        "--config against --compare at every --seq-len; scaling: the trainer phase at every "
+                        "--gpus count with every --strategies entry")
+    p.add_argument("--strategies", type=lambda v: v.split(","), default=["fsdp", "fsdp2"],
+                   help="scaling: fsdp | fsdp2 | ddp, each optionally -hybrid (2-D mesh of --replicas groups)")
+    p.add_argument("--replicas", type=int, default=2, help="scaling: replica groups of the -hybrid strategies")
+    p.add_argument("--trainer-global-batch", type=int, default=None,
+                   help="sequences per optimizer step (accumulation follows; the real recipe: 128)")
     p.add_argument("--seq-len", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="context length(s), comma-separated (default: the config's block size)")
     p.add_argument("--compare", default=None, help="a second config for --phase sweep / profile")
@@ -423,9 +489,12 @@ def main() -> None:
 
     started = time.time()
     deadline = started + args.time_budget
-    args.gpus = args.gpus or torch.cuda.device_count() or (1 if args.allow_cpu else 0)
+    args.gpus_list = args.gpus or [torch.cuda.device_count() or (1 if args.allow_cpu else 0)]
+    args.gpus = max(args.gpus_list)
     if args.gpus < 1:
         raise SystemExit("no CUDA device: this benchmark needs GPUs")
+    if args.phase != "scaling" and len(args.gpus_list) > 1:
+        raise SystemExit("--gpus takes a list only with --phase scaling")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -460,6 +529,9 @@ def main() -> None:
               + f" at context {args.seq_len or 'of the config'}", flush=True)
         report["sweep"] = sweep(args, workdir, deadline)
         print_sweep(report["sweep"], [args.config] + ([args.compare] if args.compare else []))
+    if args.phase == "scaling":
+        report["scaling"] = scaling(args, workdir, deadline)
+        print_scaling(report["scaling"])
     report["wall_s"] = round(time.time() - started, 1)
 
     print(f"\n{args.config}, {args.gpus} x {report['device']}")
@@ -482,7 +554,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = Path(args.config).stem if args.config.endswith((".yaml", ".yml")) else Path(args.config).name
-    path = out / f"train_throughput_{name}_{args.gpus}gpu.json"
+    path = out / f"train_throughput_{name}_{'-'.join(map(str, args.gpus_list))}gpu.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
 

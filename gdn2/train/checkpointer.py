@@ -4,6 +4,7 @@ for the format)."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ class Checkpointer:
     def save(self) -> Path:
         c = self.recipe.checkpoint
         trainer = {"model": self.model, "optimizer": self.optimizer, "trainer": self.state.state_dict()}
+        started = time.perf_counter()
         try:
             self.last = save_checkpoint(
                 self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
@@ -38,7 +40,7 @@ class Checkpointer:
                                        f"{self.state.step} in {self.recipe.checkpoint_dir}; the last good checkpoint "
                                        f"is {self.last or 'none (none was written yet)'}", error.filename) from error
         if self.fabric.global_rank == 0:
-            log.info("saved checkpoint %s", self.last)
+            log.info("saved checkpoint %s in %.1f s", self.last, time.perf_counter() - started)
         return self.last
 
     def maybe_save(self, step: int, end: bool = False) -> Optional[Path]:

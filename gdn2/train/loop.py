@@ -105,6 +105,8 @@ def train_step(fabric, model, optimizer, batches, plan: TrainPlan, lr: float, gr
     votes = torch.tensor([float(want_requeue), float(want_stop)], device=device)
     packed = fabric.all_reduce(torch.cat([torch.stack([loss_sum, nonfinite]), votes]), reduce_op="sum")
     loss_mean, bad, requeue_votes, stop_votes = (float(x) for x in packed.tolist())
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm is a distributed tensor
+        norm = norm.full_tensor()
     grad_norm = float(norm) if norm is not None else float("nan")
     skipped = bad > 0 or not math.isfinite(grad_norm)
     if not skipped:
@@ -201,7 +203,9 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                                eos_id=recipe.data.eos_id, vocab_size=recipe.model.vocab_size)
     state = TrainState()
     if resume_path is not None:
+        loading = time.perf_counter()
         trainer_state, extras = load_checkpoint(fabric, resume_path, model, optimizer)
+        load_seconds = time.perf_counter() - loading
         state.load_state_dict(trainer_state)
         train_loader.load_state_dict(extras["data"])
         set_rng_state(extras["rng"])
@@ -210,7 +214,8 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
             decay_group = group.get("name") == "decay" or recipe.optimizer.decay_all
             group.update(betas=tuple(recipe.optimizer.betas), eps=recipe.optimizer.eps,
                          weight_decay=recipe.optimizer.weight_decay if decay_group else 0.0)
-        log.info("resumed from %s at step %d (%d tokens)", resume_path, state.step, state.tokens)
+        log.info("resumed from %s at step %d (%d tokens); loaded in %.1f s", resume_path, state.step, state.tokens,
+                 load_seconds)
         for line in changed:
             log.warning("changed since the checkpoint: %s", line)
 

@@ -140,9 +140,11 @@ class DistributedConfig:
     num_nodes: Optional[int] = _opt(None, "nodes; null: from SLURM / torchrun, else 1")
     precision: str = _opt("auto", "auto (bf16-mixed on CUDA, 32-true on CPU) | bf16-mixed | 32-true")
     strategy: str = _opt("auto", "auto (fsdp with several CUDA devices, ddp with several CPU processes) "
-                                 "| fsdp | ddp")
+                                 "| fsdp | fsdp2 (fully_shard; CUDA or CPU processes) | ddp")
     sharding: str = _opt("auto", "FSDP sharding: auto (full on one node, hybrid across nodes) | full | "
                                  "hybrid | grad_op")
+    replicas: Optional[int] = _opt(None, "hybrid sharding: groups of ranks, the model sharded within each and "
+                                         "replicated across them; null: one group per node")
     requeue: bool = _opt(True, "under SLURM, after saving on SIGUSR1/SIGTERM, requeue the job (scontrol)")
     timeout_minutes: int = _opt(30, "collective-communication timeout")
 
@@ -161,7 +163,7 @@ SECTIONS: dict[str, type] = {
 _CHOICES = {
     ("distributed", "accelerator"): ("auto", "cuda", "gpu", "cpu"),
     ("distributed", "precision"): ("auto", "bf16-mixed", "32-true"),
-    ("distributed", "strategy"): ("auto", "fsdp", "ddp"),
+    ("distributed", "strategy"): ("auto", "fsdp", "fsdp2", "ddp"),
     ("distributed", "sharding"): ("auto", "full", "hybrid", "grad_op"),
     ("checkpoint", "state_dict_type"): ("sharded", "full"),
     ("logging", "wandb_mode"): ("online", "offline"),
@@ -365,6 +367,8 @@ def _validate(recipe: Recipe) -> None:
     if d.num_nodes is not None:
         need(d.num_nodes >= 1, "distributed.num_nodes", f"must be >= 1, got {d.num_nodes}")
     need(d.timeout_minutes >= 1, "distributed.timeout_minutes", f"must be >= 1, got {d.timeout_minutes}")
+    if d.replicas is not None:
+        need(d.replicas >= 1, "distributed.replicas", f"must be >= 1, got {d.replicas}")
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(recipe, section), key)
         need(value in choices, f"{section}.{key}", f"must be one of {', '.join(choices)}; got {value!r}")

@@ -37,7 +37,8 @@ def resolve_accelerator(name: str) -> str:
 
 def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     """A ``lightning.Fabric`` for the recipe: FSDP (one unit per Block) on several GPUs, DDP for several
-    CPU processes, a single device otherwise."""
+    CPU processes, a single device otherwise; ``distributed.strategy: fsdp2`` shards with FSDP2 on GPUs or
+    CPU processes."""
     import lightning as L
     from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
 
@@ -53,15 +54,25 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
     world_size = devices * topo.num_nodes
     timeout = timedelta(minutes=d.timeout_minutes)
+    sharding = d.sharding if d.sharding != "auto" else ("hybrid" if topo.num_nodes > 1 else "full")
+    replicas = d.replicas or topo.num_nodes
+    if sharding == "hybrid" and world_size % replicas:
+        raise ValueError(f"distributed.replicas: {replicas} replica groups do not divide {world_size} ranks")
     if world_size == 1:
         strategy: Any = "auto"
+    elif d.strategy == "fsdp2":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(
+            parallelize_fn=lambda module, mesh: shard_with_fsdp2(
+                module, accelerator, world_size, sharding, replicas, precision == "bf16-mixed"),
+            data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
     elif d.strategy in ("auto", "fsdp") and accelerator == "cuda":
         from torch.distributed.fsdp import MixedPrecision
 
-        sharding = d.sharding if d.sharding != "auto" else ("hybrid" if topo.num_nodes > 1 else "full")
         kwargs: dict[str, Any] = {}
         if sharding == "hybrid":
-            kwargs["device_mesh"] = (topo.num_nodes, devices)  # replicate across nodes, shard inside one
+            kwargs["device_mesh"] = (replicas, world_size // replicas)  # replicate across groups, shard inside
         strategy = FSDPStrategy(
             auto_wrap_policy={Block},
             activation_checkpointing_policy={Block} if recipe.train.activation_checkpointing else None,
@@ -84,7 +95,30 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     return fabric, topo, precision
 
 
+def shard_with_fsdp2(module: torch.nn.Module, device_type: str, world_size: int, sharding: str, replicas: int,
+                     bf16: bool) -> torch.nn.Module:
+    """FSDP2 (``fully_shard``): each Block its own unit, then the root (embedding, final norm, head).
+    ``full`` shards over every rank; ``hybrid`` over the ranks of each of ``replicas`` groups and
+    replicates across groups (a 2-D mesh, as across nodes); ``grad_op`` keeps each unit's parameters
+    gathered from forward to backward. bf16 compute and all-gathers, fp32 gradient reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if sharding == "hybrid":
+        mesh = init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    options = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=sharding != "grad_op")
+    for block in module.transformer.h:
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    return module
+
+
 def is_fsdp(fabric) -> bool:
+    """FSDP1 (Fabric's FSDPStrategy), which builds the model on the meta device."""
     from lightning.fabric.strategies import FSDPStrategy
 
     return isinstance(fabric.strategy, FSDPStrategy)
@@ -92,7 +126,9 @@ def is_fsdp(fabric) -> bool:
 
 def build_model_and_optimizer(fabric, recipe: Recipe):
     """(model, optimizer, parameter count) set up by Fabric. Under FSDP the model is built on the meta
-    device and each rank materialises its own shards through the modules' ``reset_parameters``."""
+    device and each rank materialises its own shards through the modules' ``reset_parameters``; under
+    FSDP2 each rank builds it whole from the same seed and ``fully_shard`` keeps its own part (so the
+    initial weights are those of a one-device run)."""
     fabric.seed_everything(recipe.train.seed, verbose=False)
     set_compiled(recipe.train.compile and fabric.device.type == "cuda")
     set_grouped_projections(recipe.train.grouped_projections)

@@ -1,6 +1,7 @@
-"""Data-parallel processes on CPU (DDP over gloo, started by Fabric from the CLI): the losses of one
-process with the same global batch, per-rank checkpoint files, and exact resume onto another number of
-ranks (a job that comes back with fewer or more processes)."""
+"""Data-parallel processes on CPU over gloo, started by Fabric from the CLI (DDP, and FSDP2 with full and
+hybrid sharding): the losses of one process with the same global batch, per-rank checkpoint files, and
+exact resume onto another number of ranks and another strategy (a job that comes back with fewer or
+more processes)."""
 
 import pytest
 
@@ -15,12 +16,20 @@ def losses(folder):
     return {r["step"]: r["loss"] for r in read_jsonl(folder / "metrics.jsonl") if r["kind"] == "train"}
 
 
+@pytest.fixture(scope="module")
+def one_rank(corpus, tmp_path_factory):
+    """The micro config and the train losses of its 6 steps on one process."""
+    folder = tmp_path_factory.mktemp("one_rank")
+    cfg = micro_config(corpus, folder, train=dict(max_steps=6, warmup_steps=1))
+    assert fit(load_recipe(str(cfg), out_dir=str(folder / "one"))).step == 6
+    return cfg, losses(folder / "one")
+
+
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_and_resume_across_world_sizes(corpus, tmp_path):
+def test_two_ranks_match_one_rank_and_resume_on_one(one_rank, tmp_path):
     # global batch 4: one rank does 2 micro-batches of 2; two ranks do 2 micro-batches of 1 each.
     # The loader hands out global samples in the same order, so each optimizer step sees the same 4.
-    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6, warmup_steps=1))
-    assert fit(load_recipe(str(cfg), out_dir=str(tmp_path / "one"))).step == 6
+    cfg, one = one_rank
     run, out = ["--config", str(cfg), "--out_dir", str(tmp_path / "moved")], tmp_path / "moved"
     two = ["--distributed.devices", "2", "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1"]
 
@@ -28,14 +37,34 @@ def test_two_ranks_match_one_rank_and_resume_across_world_sizes(corpus, tmp_path
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = list_checkpoints(out / "checkpoints")[-1][1]
     assert sorted(p.name for p in (ckpt / "ranks").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
-    # steps 3-4 on one rank: the model and optimizer load, the data continue at the same global sample
-    recipe = load_recipe(str(cfg), {"train.stop_at_step": "4"}, out_dir=str(out))
-    assert fit(recipe, resume="auto").step == 4
-    second = run_main(run + two + ["--resume", "auto"])  # steps 5-6 on two ranks again
+    # steps 3-6 on one rank: the model and optimizer load, the data continue at the same global sample
+    assert fit(load_recipe(str(cfg), out_dir=str(out)), resume="auto").step == 6
+    moved = losses(out)
+    assert sorted(moved) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert moved[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_fsdp2_hybrid_and_full_sharding_match_one_rank_and_reshard(one_rank, tmp_path):
+    """Steps 1-2 on 4 ranks as 2 replica groups of 2 shards (the 2-D mesh hybrid sharding uses across
+    nodes), 3-4 on one rank, 5-6 on 2 ranks fully sharded: every step's loss is the one-rank run's, the
+    sharded checkpoint resharded at each change."""
+    cfg, one = one_rank
+    out = tmp_path / "moved"
+    run = ["--config", str(cfg), "--out_dir", str(out), "--distributed.strategy", "fsdp2",
+           "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1"]
+    first = run_main(run + ["--distributed.devices", "4", "--distributed.sharding", "hybrid",
+                            "--distributed.replicas", "2", "--train.stop_at_step", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "4 rank(s) on cpu (ModelParallelStrategy" in first.stdout + first.stderr
+    ckpt = list_checkpoints(out / "checkpoints")[-1][1]
+    assert len(list((ckpt / "state").glob("*.distcp"))) == 4  # each rank wrote its shards
+    assert fit(load_recipe(str(cfg), {"train.stop_at_step": "4"}, out_dir=str(out)), resume="auto").step == 4
+    second = run_main(run + ["--distributed.devices", "2", "--resume", "auto"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming on 2 rank(s) a checkpoint written by 1" in second.stdout + second.stderr
-
-    one, moved = losses(tmp_path / "one"), losses(out)
+    moved = losses(out)
     assert sorted(moved) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert moved[step] == pytest.approx(one[step], rel=1e-5), step
