@@ -3,8 +3,12 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-import pytest
-import torch
+# Test tensors are tiny: one thread per process (this one, and the trainers and ranks the tests start)
+# avoids oversubscribing small CI machines.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter; the flag must be set before any
 # kernel module is imported.
@@ -16,7 +20,6 @@ for path in (ROOT, ROOT / "tests"):  # the package, and helper modules shared by
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-# Test tensors are tiny: one thread avoids oversubscription on small CI machines.
 torch.set_num_threads(1)
 
 

@@ -46,24 +46,22 @@ def test_two_ranks_match_one_rank_and_resume_on_one(one_rank, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_hybrid_and_full_sharding_match_one_rank_and_reshard(one_rank, tmp_path):
-    """Steps 1-2 on 4 ranks as 2 replica groups of 2 shards (the 2-D mesh hybrid sharding uses across
-    nodes), 3-4 on one rank, 5-6 on 2 ranks fully sharded: every step's loss is the one-rank run's, the
-    sharded checkpoint resharded at each change."""
+def test_fsdp2_hybrid_sharding_matches_one_rank_and_reshards(one_rank, tmp_path):
+    """Steps 1-2 on one rank, 3-4 on 4 ranks as 2 replica groups of 2 shards (the 2-D mesh hybrid
+    sharding uses across nodes), 5-6 on one rank again: every step's loss is the one-rank run's, the
+    checkpoint resharded at each change (1 -> 4 -> 1)."""
     cfg, one = one_rank
     out = tmp_path / "moved"
-    run = ["--config", str(cfg), "--out_dir", str(out), "--distributed.strategy", "fsdp2",
-           "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1"]
-    first = run_main(run + ["--distributed.devices", "4", "--distributed.sharding", "hybrid",
-                            "--distributed.replicas", "2", "--train.stop_at_step", "2"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "4 rank(s) on cpu (ModelParallelStrategy" in first.stdout + first.stderr
+    assert fit(load_recipe(str(cfg), {"train.stop_at_step": "2"}, out_dir=str(out))).step == 2
+    run = run_main(["--config", str(cfg), "--out_dir", str(out), "--resume", "auto", "--distributed.strategy", "fsdp2",
+                    "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1", "--distributed.devices", "4",
+                    "--distributed.sharding", "hybrid", "--distributed.replicas", "2", "--train.stop_at_step", "4"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = run.stdout + run.stderr
+    assert "4 rank(s) on cpu (ModelParallelStrategy" in log and "resuming on 4 rank(s) a checkpoint written by 1" in log
     ckpt = list_checkpoints(out / "checkpoints")[-1][1]
     assert len(list((ckpt / "state").glob("*.distcp"))) == 4  # each rank wrote its shards
-    assert fit(load_recipe(str(cfg), {"train.stop_at_step": "4"}, out_dir=str(out)), resume="auto").step == 4
-    second = run_main(run + ["--distributed.devices", "2", "--resume", "auto"])
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming on 2 rank(s) a checkpoint written by 1" in second.stdout + second.stderr
+    assert fit(load_recipe(str(cfg), out_dir=str(out)), resume="auto").step == 6
     moved = losses(out)
     assert sorted(moved) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
