@@ -1,11 +1,15 @@
-"""The training loop's pieces; ``pretrain/main.py`` is the command line over :func:`gdn2.train.loop.fit`.
+"""The training loop's pieces; ``python -m gdn2 pretrain`` (``cli``) is the command line over
+:func:`gdn2.train.loop.fit`.
 
 - ``recipe``: config sections beside ``model:``, ``--section.key`` overrides, the derived plan
+- ``setup``: Fabric (single device, DDP, FSDP, FSDP2), the model and optimizer, the run folder and its lock
+- ``loop``: ``train_step`` and ``fit``, which composes the components below
+- ``checkpointer``: when to save and what a save holds (the format is :mod:`gdn2.checkpoint`)
+- ``validate``: validation loss at several lengths, lm-eval during training
+- ``metrics``: MFU, the loggers (JSONL, TensorBoard, CSV, W&B), the progress bar
+- ``loss``: a micro-batch's loss (the cross-entropy itself is :mod:`gdn2.layers.loss`)
 - ``optimizer``: AdamW parameter groups (no decay on A_log, dt_bias, norms, biases)
-- ``schedule``: ``cosine_with_warmup``
-- ``loss``: fp32 cross-entropy, a slice of tokens at a time
-- ``checkpoint``: atomic sharded checkpoints, ``--resume`` resolution, consolidation to one file
-- ``metrics``: dense bf16 peaks for MFU, TensorBoard + JSONL
+- ``schedule``: ``cosine_with_warmup``, and when a periodic task is due
 - ``slurm``: topology from SLURM / torchrun, stop signals, requeue, wall-clock budgets
-- ``loop``: Fabric set-up and the loop itself (``fit``)
+- ``profile``: torch.profiler traces of chosen steps
 """
