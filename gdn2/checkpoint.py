@@ -429,8 +429,17 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
         trainer = torch.load(state_path / SHARDED_META, map_location="cpu", weights_only=False)["trainer"]
     else:
         blob = torch.load(state_path, map_location="cpu", weights_only=False)
-        set_state_dict(module, optim, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        if any(isinstance(key, int) for key in blob["optimizer"].get("state", {})):
+            # one file from an earlier version, its optimizer state by parameter index: one device only
+            if fabric.world_size > 1:
+                raise ValueError(f"{state_path}: an earlier one-device checkpoint format (optimizer state by "
+                                 f"parameter index); resume it on one device, whose next checkpoint any number "
+                                 f"of ranks can resume")
+            module.load_state_dict(bare_state_dict(blob["model"]))
+            optim.load_state_dict(blob["optimizer"])
+        else:
+            set_state_dict(module, optim, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))
         trainer = blob["trainer"]
     rank_file = path / RANKS / f"rank-{fabric.global_rank:05d}.pt"
     if not rank_file.is_file():

@@ -130,3 +130,24 @@ def test_consolidate_full_and_sharded_formats(tmp_path):
         restored.load_state_dict(d["model"])
         idx = torch.randint(0, 256, (1, 20))
         torch.testing.assert_close(restored(idx), model(idx), rtol=0, atol=0)
+
+
+def test_a_one_file_checkpoint_of_the_earlier_format_still_resumes_on_one_device(tmp_path):
+    """Before one format served every strategy, one device wrote ``model.state_dict()`` and
+    ``optimizer.state_dict()`` (state by parameter index) into one file: it still loads."""
+    fabric, model, optimizer = make_fabric_model()
+    train_a_step(model, optimizer)
+    path = save(fabric, model, optimizer, tmp_path / "ckpt", 3, sharded=False)
+    state = path / "state"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "trainer": {"step": 3}}, state)
+    marker = json.loads((path / MARKER).read_text())
+    del marker["files"]
+    (path / MARKER).write_text(json.dumps(marker))
+    expected = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    fresh_fabric, fresh, fresh_opt = make_fabric_model()
+    trainer, _ = load_checkpoint(fresh_fabric, path, fresh, fresh_opt)
+    assert trainer == {"step": 3}
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for p, e in zip(fresh.parameters(), expected):
+        torch.testing.assert_close(fresh_opt.state[p]["exp_avg"], e, rtol=0, atol=0)
