@@ -539,12 +539,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     t = report.get("trainer")
     if t and "tokens_per_sec_per_gpu" in t:
-        mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "-"
+        mfu = _pct(t.get("mfu"))
         print(f"| trainer (main.py) | {t['activation_checkpointing']} | {t['micro_batch']} x {t['grad_accum']} accum | "
               f"{t['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {t['peak_memory_gib']:.1f} |")
     for r in report.get("trials", []):
         if r.get("ok"):
-            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+            mfu = _pct(r.get("mfu"))
             print(f"| trial | {r['activation_checkpointing']} | {r['micro_batch']} | {r['tokens_per_sec_per_gpu']:,.0f} | "
                   f"{mfu} | {r['peak_memory_gib']:.1f} |")
         else:

@@ -50,8 +50,9 @@ def set_grouped_projections(enabled: bool) -> None:
     _grouped_enabled = bool(enabled)
 
 
-def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device, else x's own."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -61,7 +62,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        dtype = _autocast_dtype(x.device) or x.dtype
+        dtype = compute_dtype(x)
         ctx.dtype = dtype
         x = x.to(dtype)
         with torch.autocast(x.device.type, enabled=False):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gdn2.layers.fused import compute_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -73,14 +75,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
                 ignore_index: int) -> torch.Tensor:
-        # the head's GEMMs run in the autocast dtype when autocast is on, as nn.Linear's would
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
-            else hidden.dtype
+        dtype = compute_dtype(hidden)  # the head's GEMMs in autocast's dtype where it is on, as nn.Linear's
         h, w = hidden.to(dtype), weight.to(dtype)
         acc = _accumulator(dtype)
         target, valid, count = _targets(labels, ignore_index, acc)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_grad = want_h or want_w
+        want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -88,25 +87,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, h.shape[0], chunk_tokens):
                 end = min(start + chunk_tokens, h.shape[0])
                 x = F.linear(h[start:end], w).to(acc)
-                total += _slice_loss_and_grad(x, target[start:end], valid[start:end], count, want_grad)
-                if want_grad:
-                    g = x.to(dtype)
-                    if want_h:
-                        grad_h[start:end] = g @ w
-                    if want_w:
-                        grad_w += (g.t() @ h[start:end]).to(acc)
-        if want_grad:
-            ctx.save_for_backward(grad_h if want_h else torch.empty(0), grad_w if want_w else torch.empty(0))
-        ctx.want = (want_h, want_w)
+                total += _slice_loss_and_grad(x, target[start:end], valid[start:end], count, want_h or want_w)
+                g = x.to(dtype) if want_h or want_w else None
+                if want_h:
+                    grad_h[start:end] = g @ w
+                if want_w:
+                    grad_w += (g.t() @ h[start:end]).to(acc)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return (total / count).float()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        want_h, want_w = ctx.want
-        dh = (grad_h * grad_output.to(grad_h.dtype)).to(ctx.dtypes[0]) if want_h else None
-        dw = (grad_w * grad_output.to(grad_w.dtype)).to(ctx.dtypes[1]) if want_w else None
+        dh = None if grad_h is None else (grad_h * grad_output.to(grad_h.dtype)).to(ctx.dtypes[0])
+        dw = None if grad_w is None else (grad_w * grad_output.to(grad_w.dtype)).to(ctx.dtypes[1])
         return dh, dw, None, None, None
 
 
