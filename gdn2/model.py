@@ -38,10 +38,11 @@ class MLP(nn.Module):
         self.w1 = Linear(d, i, std=0.02)
         self.w2 = Linear(d, i, std=0.02)
         self.w3 = Linear(i, d, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.grouped_projections = False  # see GPT.set_grouped_projections
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both."""
-        gate, up = project(x, (self.w1, self.w2)) if fused_in is None else F.linear(x, fused_in).chunk(2, dim=-1)
+        gate, up = project(x, (self.w1, self.w2), self.grouped_projections) if fused_in is None else F.linear(x, fused_in).chunk(2, dim=-1)
         return self.w3(swiglu(gate, up))
 
 
@@ -131,6 +132,14 @@ class GPT(nn.Module):
         if labels is not None:
             return cross_entropy_fp32(logits, labels, loss_chunk_tokens)
         return logits
+
+    def set_grouped_projections(self, enabled: bool) -> None:
+        """Run the projections that read one input (a GDN-2 layer's seven, the MLP's two) as one GEMM
+        over their stacked weights, and one for each gradient (the trainer's ``train.grouped_projections``;
+        off by default). Same values up to the GEMMs' summation order."""
+        for module in self.modules():
+            if hasattr(module, "grouped_projections"):
+                module.grouped_projections = bool(enabled)
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 _compiled_enabled = False
-_grouped_enabled = False
 _devices: tuple[str, ...] = ("cuda",)
 _backend = "inductor"
 _twins: dict[Callable, Callable] = {}  # plain function -> its compiled twin, made on first use
@@ -43,22 +42,25 @@ def compiled_enabled() -> bool:
     return _compiled_enabled
 
 
-def set_grouped_projections(enabled: bool) -> None:
-    """Run the projections that read one input (a GDN-2 layer's seven, the MLP's two) as one GEMM
-    over their stacked weights (process-wide; the trainer's ``train.grouped_projections``)."""
-    global _grouped_enabled
-    _grouped_enabled = bool(enabled)
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device, else x's own."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
+def _stacked(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weights one above the other in ``dtype``: each cast straight into its rows (one kernel per
+    weight, no separate concatenation pass)."""
+    out = torch.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]), dtype=dtype,
+                      device=weights[0].device)
+    for w, rows in zip(weights, out.split([w.shape[0] for w in weights])):
+        rows.copy_(w)
+    return out
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``x @ cat(weights).T``: one GEMM forward, one for dx and one for all dW. The weights are saved
     as themselves, not as their concatenation, so FSDP still frees them between forward and backward;
-    the backward concatenates them again."""
+    the backward stacks them again."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,7 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.dtype = dtype
         x = x.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x, torch.cat([w.to(dtype) for w in weights]))
+            y = F.linear(x, _stacked(weights, dtype))
         ctx.save_for_backward(x, *weights)
         return y
 
@@ -76,7 +78,7 @@ class _GroupedLinear(torch.autograd.Function):
         dy = dy.to(ctx.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ torch.cat([w.to(ctx.dtype) for w in weights])
+            dx = dy @ _stacked(weights, ctx.dtype)
         dws: list = [None] * len(weights)
         if any(ctx.needs_input_grad[1:]):
             dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
@@ -84,10 +86,10 @@ class _GroupedLinear(torch.autograd.Function):
         return (dx, *dws)
 
 
-def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> list[torch.Tensor]:
-    """``[lin(x) for lin in linears]`` (bias-free linears), as one GEMM whose output is split into
-    views when :func:`set_grouped_projections` is on."""
-    if not _grouped_enabled or len(linears) == 1:
+def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]`` (bias-free linears); with ``grouped``, as one GEMM over the
+    stacked weights whose output is split into views (the layers' ``grouped_projections``)."""
+    if not grouped or len(linears) == 1:
         return [lin(x) for lin in linears]
     if any(lin.bias is not None for lin in linears):
         raise ValueError("grouped projections take bias-free linears")

@@ -132,6 +132,7 @@ class GatedDeltaNet2(nn.Module):
         self.g_proj = nn.Sequential(lin(d, r), lin(r, self.value_dim, bias=True))  # output gate
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=c.norm_eps)
         self.o_proj = lin(self.value_dim, d)
+        self.grouped_projections = False  # see GPT.set_grouped_projections
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -172,7 +173,8 @@ class GatedDeltaNet2(nn.Module):
         if fused is None:
             # one GEMM for all seven when grouped projections are on, else seven (see fused.project)
             qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
-                                                       self.b_proj, self.w_proj, self.g_proj[0]))
+                                                       self.b_proj, self.w_proj, self.g_proj[0]),
+                                                   self.grouped_projections)
             pre = (qp, kp, vp)
             taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
             tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)

@@ -51,9 +51,9 @@ class TrainConfig:
     max_consecutive_nonfinite: int = _opt(5, "stop with an error after more than this many optimizer steps "
                                              "in a row skipped for a non-finite loss or gradient norm")
     loss_chunk_tokens: int = _opt(8192, "the fp32 cross-entropy runs over this many tokens at a time")
-    fused_loss: bool = _opt(False, "the loss straight from the final hidden states and the head's weight, "
+    fused_loss: bool = _opt(True, "the loss straight from the final hidden states and the head's weight, "
                                    "a slice of tokens at a time: the logits never exist whole")
-    grouped_projections: bool = _opt(False, "one GEMM for the projections that read one input (a GDN-2 "
+    grouped_projections: bool = _opt(True, "one GEMM for the projections that read one input (a GDN-2 "
                                             "layer's seven, the MLP's two)")
     profile_steps: Optional[str] = _opt(None, "record these optimizer steps with torch.profiler ('10-12' or '7'), "
                                               "a trace per rank in <out_dir>/profile/")

@@ -16,7 +16,7 @@ import torch
 
 from gdn2.data import find_shards, read_manifest
 from gdn2.data.shards import PackedShardReader
-from gdn2.layers.fused import set_compiled, set_grouped_projections
+from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.checkpoint import read_checkpoint_config, read_marker
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
@@ -131,10 +131,10 @@ def build_model_and_optimizer(fabric, recipe: Recipe):
     initial weights are those of a one-device run)."""
     fabric.seed_everything(recipe.train.seed, verbose=False)
     set_compiled(recipe.train.compile and fabric.device.type == "cuda")
-    set_grouped_projections(recipe.train.grouped_projections)
     with fabric.init_module(empty_init=is_fsdp(fabric)):
         model = GPT(recipe.model)
     model.fused_loss = recipe.train.fused_loss
+    model.set_grouped_projections(recipe.train.grouped_projections)
     num_params = sum(p.numel() for p in model.parameters())
     no_decay = no_weight_decay_names(model)  # decided on the bare model: FSDP loses shapes and attributes
     if recipe.train.activation_checkpointing and not is_fsdp(fabric):  # FSDP applies its own policy

@@ -163,26 +163,20 @@ def test_grouped_projection_is_one_gemm_with_each_linears_values_and_gradients()
     x = torch.randn(2, 4, 12, dtype=torch.float64, requires_grad=True)
     ups = [torch.randn(2, 4, n, dtype=torch.float64) for n in (5, 7, 3)]
 
-    def run():
+    def run(grouped):
         for lin in linears:
             lin.weight.grad = None
         x.grad = None
-        outs = fused.project(x, linears)
+        outs = fused.project(x, linears, grouped)
         sum((o * u).sum() for o, u in zip(outs, ups)).backward()
         return outs, x.grad.clone(), [lin.weight.grad.clone() for lin in linears]
 
-    separate = run()
-    fused.set_grouped_projections(True)
-    try:
-        grouped = run()
-        assert len({o.grad_fn.next_functions[0][0] for o in grouped[0]}) == 1  # views of one GEMM's output
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = fused.project(x.float().detach(), [lin.float() for lin in linears])
-        assert all(t.dtype == torch.bfloat16 for t in y)
-    finally:
-        fused.set_grouped_projections(False)
-        for lin in linears:
-            lin.double()
+    separate = run(False)
+    grouped = run(True)
+    assert len({o.grad_fn.next_functions[0][0] for o in grouped[0]}) == 1  # views of one GEMM's output
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fused.project(x.float().detach(), [torch.nn.Linear(12, n, bias=False) for n in (5, 7, 3)], True)
+    assert all(t.dtype == torch.bfloat16 for t in y)
     for a, b in zip(grouped[0], separate[0]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grouped[1], separate[1], rtol=1e-12, atol=1e-12)
@@ -206,11 +200,9 @@ def test_model_with_grouped_projections_matches_separate(name):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss_s, grads_s = loss_and_grads()
-    fused.set_grouped_projections(True)
-    try:
-        loss_g, grads_g = loss_and_grads()
-    finally:
-        fused.set_grouped_projections(False)
+    model.set_grouped_projections(True)
+    assert model.transformer.h[0].mlp.grouped_projections
+    loss_g, grads_g = loss_and_grads()
     torch.testing.assert_close(loss_g, loss_s, rtol=1e-12, atol=1e-12)
     for n, g in grads_s.items():
         torch.testing.assert_close(grads_g[n], g, rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
