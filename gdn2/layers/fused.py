@@ -1,7 +1,7 @@
 """The model's elementwise stages as plain tensor functions, compiled into fused kernels on demand.
 
-Each function here is the one definition of its stage (norms, gates, the short convolution, SwiGLU,
-RoPE); the layers call them. Eagerly, each is a handful of PyTorch kernels, several of them fp32 passes
+Each function here is the one definition of its stage (norms, gates, SwiGLU, RoPE; the short
+convolution's is its operator's oracle, ``gdn2.ops.short_conv``); the layers call them. Eagerly, each is a handful of PyTorch kernels, several of them fp32 passes
 over activation-sized tensors. With :func:`set_compiled` on (the trainer's ``train.compile``), calls on
 CUDA tensors go through ``torch.compile``'d twins instead: the forward and the backward of each stage
 become one or two fused kernels. The values are the same up to fp32 rounding order.
@@ -20,6 +20,8 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+from gdn2.ops.short_conv.naive import short_conv_silu_reference
 
 _compiled_enabled = False
 _devices: tuple[str, ...] = ("cuda",)
@@ -141,26 +143,8 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (y * F.silu(gate.float())).to(o.dtype)
 
 
-@fusable
-def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None,
-                     pos_in_doc: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``silu`` of the causal depthwise convolution of x [B, T, C] with taps ``weight`` [C, 1, ks]
-    (oldest first), as shifted products summed in fp32: ``y_t = sum_j weight[:, 0, ks-1-j] * x_{t-j}``.
-
-    ``tail`` [B, ks-1, C]: the inputs before x (zeros when None). ``pos_in_doc`` [T]: each token's
-    position inside its document; a tap reaching before the document start contributes nothing."""
-    B, T, C = x.shape
-    ks = weight.shape[-1]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = weight[:, 0, :].to(x.dtype).to(acc)  # [C, ks]; the taps rounded to x's dtype, as a conv in it would
-    full = F.pad(x, (0, 0, ks - 1, 0)) if tail is None else torch.cat([tail.to(x.dtype), x], dim=1)
-    y = x.to(acc) * w[:, ks - 1]
-    for j in range(1, ks):
-        term = full[:, ks - 1 - j: ks - 1 - j + T].to(acc) * w[:, ks - 1 - j]
-        if pos_in_doc is not None:
-            term = term * (pos_in_doc >= j).to(acc)[None, :, None]
-        y = y + term
-    return F.silu(y).to(x.dtype)
+# the short convolution's one definition is its operator's oracle; this is its compiled torch path
+causal_conv_silu = fusable(short_conv_silu_reference)
 
 
 def decay_rate(A_log: torch.Tensor, head_k_dim: int) -> torch.Tensor:

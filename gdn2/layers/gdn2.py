@@ -18,7 +18,8 @@ from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
 from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project
 from gdn2.layers.init import Linear
-from gdn2.ops import chunk_gdn2
+from gdn2.ops import chunk_gdn2, select_backend, short_conv_silu
+from gdn2.ops.checks import TRITON_DTYPES
 
 if TYPE_CHECKING:
     from gdn2.inference import FusedGDN2
@@ -79,6 +80,14 @@ def packed_conv_tails(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel_size: in
     inside = idx >= cu[:-1, None]
     tails = x[0][idx.clamp_min(0)]
     return tails * inside[..., None].to(tails.dtype)
+
+
+def conv_from_start(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[torch.Tensor]) -> torch.Tensor:
+    """silu(short conv) of x [B,T,C] with nothing before it: the Triton kernel where the operator's
+    backend is Triton (CUDA), else the (compiled) torch stage."""
+    if x.dtype in TRITON_DTYPES and select_backend("short_conv", x.device) == "triton":
+        return short_conv_silu(x, weight, pos_in_doc, backend="triton")
+    return causal_conv_silu(x, weight, None, pos_in_doc)
 
 
 class GatedRMSNorm(nn.Module):
@@ -201,9 +210,9 @@ class GatedDeltaNet2(nn.Module):
         """silu(short conv) of x [B,T,C]; ``tail`` (a cache view) holds the inputs before x and is
         advanced in place, or, for packed prompts, receives each document's last inputs."""
         if tail is None:
-            return causal_conv_silu(x, weight, None, pos_in_doc)
+            return conv_from_start(x, weight, pos_in_doc)
         if packed_cu_seqlens is not None:
-            y = causal_conv_silu(x, weight, None, pos_in_doc)
+            y = conv_from_start(x, weight, pos_in_doc)
             tail.copy_(packed_conv_tails(x, packed_cu_seqlens, weight.shape[-1]))
             return y
         y = causal_conv_silu(x, weight, tail, pos_in_doc)

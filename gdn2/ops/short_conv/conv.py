@@ -1,0 +1,120 @@
+"""Triton kernels of the short convolution: ``y = silu(sum_j w[:, ks-1-j] * x_{t-j})`` per channel.
+
+The forward reads each input row ``ks`` times from cache (one shifted tile per tap) and writes y once.
+The backward recomputes the pre-activation at the ``ks`` rows each input feeds, so nothing but the
+input is saved; it writes dx and, per program, the weight gradient's partial sums over its rows, which
+one torch reduction adds up. Both accumulate in fp32; the taps are rounded to x's dtype first, as a
+convolution in that dtype would. x may be a slice of a wider tensor (its rows strided), as the GDN-2
+layer's q, k and v are of the grouped input projection.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 64
+BLOCK_C = 128
+
+
+@triton.jit
+def _short_conv_fwd_kernel(x, w, pos, y, T, C, sxb, sxt,
+                           KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t = it * BT + tl.arange(0, BT)
+    c = ic * BC + tl.arange(0, BC)
+    tm, cm = t < T, c < C
+    p = tl.load(pos + t, mask=tm, other=0) if HAS_POS else t
+    xb = x + ib * sxb
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+        ok = tm & (p >= j) & (t >= j)
+        xj = tl.load(xb + (t - j).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+        acc += xj.to(tl.float32) * wj[None, :]
+    out = acc * tl.sigmoid(acc)
+    yp = y + ib * T * C + t.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(yp, out.to(y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _short_conv_bwd_kernel(x, w, pos, dy, dx, dwp, T, C, sxb, sxt, NT,
+                           KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    s = it * BT + tl.arange(0, BT)
+    c = ic * BC + tl.arange(0, BC)
+    sm, cm = s < T, c < C
+    xb = x + ib * sxb
+    dyb = dy + ib * T * C
+    dx_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        # the row r = s + j, which input row s feeds through tap j
+        r = s + j
+        rm = r < T
+        pr = tl.load(pos + r, mask=rm, other=0) if HAS_POS else r
+        pre = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.static_range(KS):
+            wi = tl.load(w + c * KS + (KS - 1 - i), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+            ok = rm & (pr >= i) & (r >= i)
+            xi = tl.load(xb + (r - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
+                         other=0.0)
+            pre += xi.to(tl.float32) * wi[None, :]
+        sg = tl.sigmoid(pre)
+        g = tl.load(dyb + r.to(tl.int64)[:, None] * C + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        dpre = g.to(tl.float32) * sg * (1.0 + pre * (1.0 - sg))
+        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+        feeds = rm & (pr >= j)
+        dx_acc += tl.where(feeds[:, None], dpre * wj[None, :], 0.0)
+        if j == 0:
+            # the weight gradient over this program's rows: tap ks-1-i pairs dpre_s with x_{s-i}
+            for i in tl.static_range(KS):
+                ps = pr
+                ok = sm & (ps >= i) & (s >= i)
+                xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
+                             other=0.0)
+                part = tl.sum(dpre * xi.to(tl.float32), axis=0)
+                tl.store(dwp + ((ib * NT + it) * KS + (KS - 1 - i)) * C + c, part, mask=cm)
+    dxp = dx + ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(dxp, dx_acc.to(dx.dtype.element_ty), mask=sm[:, None] & cm[None, :])
+
+
+class ShortConvSiLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pos: Optional[torch.Tensor]) -> torch.Tensor:
+        B, T, C = x.shape
+        ks = weight.shape[-1]
+        w = weight.reshape(C, ks).contiguous()
+        y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+        if y.numel():
+            grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
+            _short_conv_fwd_kernel[grid](x, w, w if pos is None else pos, y, T, C, x.stride(0), x.stride(1),
+                                         KS=ks, HAS_POS=pos is not None, BT=BLOCK_T, BC=BLOCK_C)
+        ctx.save_for_backward(x, w, pos)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w, pos = ctx.saved_tensors
+        B, T, C = x.shape
+        ks = w.shape[1]
+        dy = dy.contiguous()
+        dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+        nt = triton.cdiv(T, BLOCK_T)
+        partial = torch.empty((B * nt, ks, C), dtype=torch.float32, device=x.device)
+        if dx.numel():
+            _short_conv_bwd_kernel[(nt, triton.cdiv(C, BLOCK_C), B)](
+                x, w, w if pos is None else pos, dy, dx, partial, T, C, x.stride(0), x.stride(1), nt,
+                KS=ks, HAS_POS=pos is not None, BT=BLOCK_T, BC=BLOCK_C)
+        dw = partial.sum(0).t().reshape(ctx.weight_shape).to(ctx.weight_dtype)
+        return dx, dw, None
+
+
+def short_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+    """See ``gdn2.ops.short_conv.short_conv_silu`` (inputs already checked)."""
+    pos = None if pos_in_doc is None else pos_in_doc.to(torch.int32).contiguous()
+    return ShortConvSiLUFunction.apply(x, weight, pos)
