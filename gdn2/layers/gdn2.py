@@ -84,7 +84,8 @@ def packed_conv_tails(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel_size: in
 
 def conv_from_start(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[torch.Tensor]) -> torch.Tensor:
     """silu(short conv) of x [B,T,C] with nothing before it: the Triton kernel where the operator's
-    backend is Triton (CUDA), else the (compiled) torch stage."""
+    backend is Triton (CUDA), else the (compiled) torch stage. The kernel saves only its input for the
+    backward, where the compiled stage keeps more (1.6 GiB less at 4 x 4096 in the 1.3B hybrid)."""
     if x.dtype in TRITON_DTYPES and select_backend("short_conv", x.device) == "triton":
         return short_conv_silu(x, weight, pos_in_doc, backend="triton")
     return causal_conv_silu(x, weight, None, pos_in_doc)
