@@ -343,9 +343,9 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
 def _bare_objects(model: Any, optimizer: Any) -> tuple[Any, Any]:
     """The module and optimizer inside Fabric's wrappers (FSDP / DDP wrappers stay: the state-dict
     API below understands them)."""
-    from lightning.fabric.wrappers import _unwrap_objects
+    from gdn2.train.fabric_api import unwrap
 
-    return _unwrap_objects(model), _unwrap_objects(optimizer)
+    return unwrap(model), unwrap(optimizer)
 
 
 @contextmanager

@@ -62,9 +62,9 @@ def _finite_or_none(value: Any) -> Any:
 
 class MetricsLog:
     """Metrics sinks of one run, active on rank 0 only: ``metrics.jsonl`` (every record, as written),
-    and through Lightning Fabric's logger classes TensorBoard (``tensorboard/``), CSV
-    (``csv/metrics.csv``) and Weights & Biases (``wandb/``; ``offline`` mode needs no network, and
-    ``wandb sync`` uploads it later).
+    and through Fabric loggers TensorBoard (``tensorboard/``), CSV (``csv/metrics.csv``; both Fabric's
+    own) and Weights & Biases (``wandb/``, ``gdn2.train.wandb_logger``; ``offline`` mode needs no
+    network, and ``wandb sync`` uploads it later).
 
     On resume from step ``S``, records after ``S`` (written by the run that crashed after its last
     checkpoint) are dropped from the JSONL, CSV and TensorBoard logs, so each step appears once; the
@@ -91,13 +91,13 @@ class MetricsLog:
                 self.jsonl_path.unlink()  # a fresh run in a used folder starts a fresh log
             self._file = open(self.jsonl_path, "a", buffering=1)
         if tensorboard:
-            from lightning.fabric.loggers import TensorBoardLogger
+            from gdn2.train.fabric_api import TensorBoardLogger
 
             purge = resume_step + 1 if resume_step is not None else None
             self.loggers.append(TensorBoardLogger(root_dir=str(out), name="", version="tensorboard",
                                                   default_hp_metric=False, purge_step=purge))
         if csv:
-            from lightning.fabric.loggers import CSVLogger
+            from gdn2.train.fabric_api import CSVLogger
 
             table = out / "csv" / "metrics.csv"
             if table.exists():
@@ -142,8 +142,7 @@ class MetricsLog:
 def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
     """A Weights & Biases logger in ``folder``; a resumed run continues the W&B run it started."""
     try:
-        from lightning.pytorch.loggers import WandbLogger
-        import wandb  # noqa: F401
+        import wandb
     except ImportError:
         raise ValueError("logging.wandb: the wandb package is not installed (pip install wandb)") from None
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,10 +154,12 @@ def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bo
 
         run_id = uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
-    logger = WandbLogger(project=project, name=name, save_dir=str(folder), id=run_id, offline=mode == "offline",
-                         resume="allow", config=config)
-    _ = logger.experiment  # start the run now: a bad setting fails before training, not at the first log
-    return logger
+    # started now: a bad setting fails before training, not at the first log
+    run = wandb.init(project=project, name=name, dir=str(folder), id=run_id, mode=mode, resume="allow",
+                     config=config)
+    from gdn2.train.wandb_logger import WandbLogger
+
+    return WandbLogger(run)
 
 
 def _truncate_csv_after(path: Path, step: int) -> None:

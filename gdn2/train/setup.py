@@ -36,11 +36,10 @@ def resolve_accelerator(name: str) -> str:
 
 
 def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
-    """A ``lightning.Fabric`` for the recipe: FSDP (one unit per Block) on several GPUs, DDP for several
+    """A Lightning ``Fabric`` for the recipe: FSDP (one unit per Block) on several GPUs, DDP for several
     CPU processes, a single device otherwise; ``distributed.strategy: fsdp2`` shards with FSDP2 on GPUs or
     CPU processes."""
-    import lightning as L
-    from lightning.fabric.strategies import DDPStrategy, FSDPStrategy
+    from gdn2.train.fabric_api import DDPStrategy, Fabric, FSDPStrategy
 
     # Lightning warns whenever srun is on PATH and the process was not started by it; the launcher is
     # resolved here (resolve_topology), and a run on a SLURM login or CI node is not a mistake.
@@ -61,7 +60,7 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     if world_size == 1:
         strategy: Any = "auto"
     elif d.strategy == "fsdp2":
-        from lightning.fabric.strategies import ModelParallelStrategy
+        from gdn2.train.fabric_api import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(
             parallelize_fn=lambda module, mesh: shard_with_fsdp2(
@@ -90,7 +89,7 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
         raise ValueError("distributed.strategy: fsdp needs CUDA devices; use ddp for several CPU processes")
     else:
         strategy = DDPStrategy(timeout=timeout, process_group_backend="nccl" if accelerator == "cuda" else "gloo")
-    fabric = L.Fabric(accelerator=accelerator, devices=devices, num_nodes=topo.num_nodes, strategy=strategy,
+    fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=topo.num_nodes, strategy=strategy,
                       precision=precision)
     return fabric, topo, precision
 
@@ -119,7 +118,7 @@ def shard_with_fsdp2(module: torch.nn.Module, device_type: str, world_size: int,
 
 def is_fsdp(fabric) -> bool:
     """FSDP1 (Fabric's FSDPStrategy), which builds the model on the meta device."""
-    from lightning.fabric.strategies import FSDPStrategy
+    from gdn2.train.fabric_api import FSDPStrategy
 
     return isinstance(fabric.strategy, FSDPStrategy)
 

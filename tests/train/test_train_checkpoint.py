@@ -2,7 +2,6 @@
 
 import json
 
-import lightning as L
 import pytest
 import torch
 import yaml
@@ -10,6 +9,7 @@ import yaml
 from gdn2.config import Config
 from gdn2.model import GPT
 import gdn2.checkpoint as checkpoint
+from gdn2.train.fabric_api import Fabric
 from gdn2.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
                                    prune_checkpoints, resolve_resume, save_checkpoint)
 from train_helpers import MICRO_MODEL
@@ -20,7 +20,7 @@ class Boom(RuntimeError):
 
 
 def make_fabric_model():
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     torch.manual_seed(0)
     model = GPT(Config(**MICRO_MODEL))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -34,7 +34,9 @@ def test_csv_wandb_offline_and_a_profiler_trace(corpus, tmp_path, monkeypatch):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert [float(r["train/loss"]) for r in rows] == [r["loss"] for r in train]
     (run,) = (out / "wandb" / "wandb").glob("offline-run-*")
-    assert list(run.glob("run-*.wandb")) and (out / "wandb" / "run_id").read_text().strip() in run.name
+    (records,) = run.glob("run-*.wandb")
+    assert (out / "wandb" / "run_id").read_text().strip() in run.name
+    assert b"train/loss" in records.read_bytes()  # the metrics reached the run
     (trace,) = (out / "profile").glob("steps-2-3.rank0.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events)
