@@ -7,11 +7,13 @@ slice of the grouped projection's [4, 4096, 10496] bf16 output, fp32 taps):
    starts), relative to each reference's largest value;
 2. forward and forward + backward times (``triton.testing.do_bench`` medians) of the kernel, the
    compiled stage and the eager stage, and the memory floor (x read once, y written once; backward:
-   x and dy read, dx written) at the measured copy bandwidth.
+   x and dy read, dx written) at the measured copy bandwidth;
+3. with ``--sweep``: the forward and the backward kernel alone over candidate tiles (rows, channels,
+   warps), each checked against the default tiles' results first.
 
 Prints a table and writes JSON to $OUT/ops_short_conv.json (./bench_out when OUT is unset).
 
-    PYTHONPATH=. python bench/ops_short_conv.py
+    PYTHONPATH=. python bench/ops_short_conv.py [--sweep]
 """
 
 from __future__ import annotations
@@ -28,12 +30,64 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+FWD_CANDIDATES = [(32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8)]
+BWD_CANDIDATES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 4),
+                  (64, 128, 8)]
+
+
+def sweep(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Each kernel alone over candidate tiles: forward (y) and backward (dx, dw) times, every candidate's
+    results checked against the default tiles' (y and dx equal, dw to fp32 summation order)."""
+    import triton.testing
+
+    from gdn2.ops.short_conv import conv
+
+    default_fwd, default_bwd = conv.FWD_TILE, conv.BWD_TILE
+
+    def run():
+        xr = x.detach().requires_grad_(True)
+        wr = weight.detach().requires_grad_(True)
+        y = conv.ShortConvSiLUFunction.apply(xr, wr, None)
+        y.backward(dy)
+        return y.detach(), xr.grad, wr.grad
+
+    ref = run()
+    rows: dict = {"forward": [], "backward": []}
+    with torch.no_grad():
+        for tile in FWD_CANDIDATES:
+            conv.FWD_TILE = tile
+            y = conv.ShortConvSiLUFunction.apply(x.detach(), weight.detach(), None)
+            ok = torch.equal(y, ref[0])
+            ms = triton.testing.do_bench(lambda: conv.ShortConvSiLUFunction.apply(x.detach(), weight.detach(), None),
+                                         warmup=25, rep=100)
+            rows["forward"].append({"tile": tile, "ms": ms, "same": ok})
+    conv.FWD_TILE = default_fwd
+    xs = x.detach().requires_grad_(True)
+    ws = weight.detach().requires_grad_(True)
+    for tile in BWD_CANDIDATES:
+        conv.BWD_TILE = tile
+        _, dx, dw = run()
+        ok = torch.equal(dx, ref[1]) and torch.allclose(dw, ref[2], rtol=1e-5, atol=1e-6)
+        y = conv.ShortConvSiLUFunction.apply(xs, ws, None)
+        ms = triton.testing.do_bench(lambda: torch.autograd.backward(y, dy, inputs=[xs, ws], retain_graph=True),
+                                     warmup=25, rep=100, grad_to_none=[xs, ws])
+        rows["backward"].append({"tile": tile, "ms": ms, "same": ok})
+    conv.BWD_TILE = default_bwd
+    for kind, default in (("forward", default_fwd), ("backward", default_bwd)):
+        print(f"\n{kind} kernel by tile (rows, channels, warps); default {default}")
+        print("| tile | ms | same results |\n|---|---|---|")
+        for r in sorted(rows[kind], key=lambda r: r["ms"]):
+            print(f"| {r['tile']} | {r['ms']:.3f} | {r['same']} |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--channels", type=int, default=2048)
     p.add_argument("--row-width", type=int, default=10496, help="width of the tensor x is a slice of")
+    p.add_argument("--sweep", action="store_true", help="time the kernels over candidate tiles")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -106,6 +160,8 @@ def main() -> None:
     f = report["floor_ms"]
     print(f"| memory floor ({report['copy_bandwidth_TBps']:.2f} TB/s) | {f['forward']:.3f} | "
           f"{f['forward_backward']:.3f} | |")
+    if args.sweep:
+        report["sweep"] = sweep(x, weight, dy)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ops_short_conv.json").write_text(json.dumps(report, indent=1))

@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64
-BLOCK_C = 128
+# (rows, channels, warps) of one program; the backward holds five such fp32 tiles
+# (``bench/ops_short_conv.py --sweep`` times the candidates)
+FWD_TILE = (64, 128, 4)
+BWD_TILE = (64, 128, 4)
 
 
 @triton.jit
@@ -71,8 +73,7 @@ def _short_conv_bwd_kernel(x, w, pos, dy, dx, dwp, T, C, sxb, sxt, NT,
         if j == 0:
             # the weight gradient over this program's rows: tap ks-1-i pairs dpre_s with x_{s-i}
             for i in tl.static_range(KS):
-                ps = pr
-                ok = sm & (ps >= i) & (s >= i)
+                ok = sm & (pr >= i) & (s >= i)
                 xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
                              other=0.0)
                 part = tl.sum(dpre * xi.to(tl.float32), axis=0)
@@ -89,9 +90,10 @@ class ShortConvSiLUFunction(torch.autograd.Function):
         w = weight.reshape(C, ks).contiguous()
         y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
         if y.numel():
-            grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
-            _short_conv_fwd_kernel[grid](x, w, w if pos is None else pos, y, T, C, x.stride(0), x.stride(1),
-                                         KS=ks, HAS_POS=pos is not None, BT=BLOCK_T, BC=BLOCK_C)
+            bt, bc, warps = FWD_TILE
+            _short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
+                x, w, w if pos is None else pos, y, T, C, x.stride(0), x.stride(1),
+                KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
         ctx.save_for_backward(x, w, pos)
         ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
         return y
@@ -103,12 +105,13 @@ class ShortConvSiLUFunction(torch.autograd.Function):
         ks = w.shape[1]
         dy = dy.contiguous()
         dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
-        nt = triton.cdiv(T, BLOCK_T)
+        bt, bc, warps = BWD_TILE
+        nt = triton.cdiv(T, bt)
         partial = torch.empty((B * nt, ks, C), dtype=torch.float32, device=x.device)
         if dx.numel():
-            _short_conv_bwd_kernel[(nt, triton.cdiv(C, BLOCK_C), B)](
+            _short_conv_bwd_kernel[(nt, triton.cdiv(C, bc), B)](
                 x, w, w if pos is None else pos, dy, dx, partial, T, C, x.stride(0), x.stride(1), nt,
-                KS=ks, HAS_POS=pos is not None, BT=BLOCK_T, BC=BLOCK_C)
+                KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
         dw = partial.sum(0).t().reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx, dw, None
 

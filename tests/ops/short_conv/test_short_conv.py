@@ -52,6 +52,16 @@ def test_kernel_matches_the_float64_oracle_with_gradients(B, T, C, ks, docs, dty
                                atol=tol * weight64.grad.abs().max().item())
 
 
+def test_other_tiles_give_the_same_results(monkeypatch):
+    """The tile shape is a launch choice only: small tiles (several row and channel programs, the weight
+    gradient summed over more partials) give the oracle's values too."""
+    from gdn2.ops.short_conv import conv
+
+    monkeypatch.setattr(conv, "FWD_TILE", (16, 32, 2))
+    monkeypatch.setattr(conv, "BWD_TILE", (16, 32, 2))
+    test_kernel_matches_the_float64_oracle_with_gradients(1, 70, 40, 4, [1, 20, 21, 69], torch.float32)
+
+
 def test_documents_do_not_see_each_other():
     """With pos_in_doc, the output of a document does not depend on the tokens before its start."""
     wide, weight, _, _ = _case(1, 40, 8, 4, torch.float32, [])
