@@ -108,9 +108,9 @@ class GPT(nn.Module):
 
         ``cu_seqlens``: int 1-D document offsets over the flattened B*T tokens (every row start
         included) for document masking: GDN-2 state, short conv, RoPE positions and attention all
-        restart at each document. ``fused_loss`` (attribute, off by default): the loss straight from
-        the final hidden states and the head's weight (``linear_cross_entropy``), so the logits never
-        exist whole.
+        restart at each document. ``fused_loss`` (attribute; off for a bare model, on in training by
+        ``train.fused_loss``): the loss straight from the final hidden states and the head's weight
+        (``linear_cross_entropy``), so the logits never exist whole.
         """
         B, T = idx.shape
         x = self.transformer.wte(idx)
@@ -135,8 +135,8 @@ class GPT(nn.Module):
 
     def set_grouped_projections(self, enabled: bool) -> None:
         """Run the projections that read one input (a GDN-2 layer's seven, the MLP's two) as one GEMM
-        over their stacked weights, and one for each gradient (the trainer's ``train.grouped_projections``;
-        off by default). Same values up to the GEMMs' summation order."""
+        over their stacked weights, and one for each gradient (off for a bare model, on in training by
+        ``train.grouped_projections``). Same values up to the GEMMs' summation order."""
         for module in self.modules():
             if hasattr(module, "grouped_projections"):
                 module.grouped_projections = bool(enabled)
