@@ -15,7 +15,8 @@ trial runs the trainer's own optimizer step (``gdn2.train.loop.train_step``) on 
 Phase ``profile`` runs one such trial (``--trainer-micro-batch``, default the config's) and profiles
 one more optimizer step with torch.profiler: CUDA time per kernel, summed into GEMMs, the GDN-2
 operator, attention, optimizer, communication and everything else (elementwise, norms, copies), so
-that the time the step spends outside the kernels we own is visible.
+that the time the step spends outside the kernels we own is visible; and one more with Python stacks,
+for the copies and concatenations by the line of gdn2 that asked for them.
 
 Phase ``sweep`` compares ``--config`` with ``--compare`` (e.g. ``transformer_1.3B``) at every length of
 ``--seq-len 4096,16384,32768``: one trial per (config, length) with ``--tokens-per-micro-batch`` tokens
@@ -103,8 +104,13 @@ def run_trial(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         step_time = statistics.median(times)
         if args.profile:
-            result["profile"] = profile_step(lambda: train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0,
-                                                                recipe.train.loss_chunk_tokens))
+            from profiling import copy_sites
+
+            def step():
+                train_step(fabric, model, optimizer, it, plan, 1e-4, 1.0, recipe.train.loss_chunk_tokens)
+
+            result["profile"] = profile_step(step)
+            result["profile"]["copy_sites"] = copy_sites(step)
         tps = plan.micro_batch_size * plan.block_size / step_time
         device_name = torch.cuda.get_device_name(fabric.device) if cuda else "cpu"
         mfu = model_flops_utilization(flops_per_token(recipe.model, plan.block_size), tps, peak_bf16_flops(device_name))
@@ -435,6 +441,9 @@ def print_profile(config: str, r: dict) -> None:
     print("\ntop kernels (ms per step, launches):")
     for k in prof["top_kernels"][:30]:
         print(f"  {k['ms']:8.2f} {k['launches']:5d}  [{kernel_category(k['name'])[:9]}] {k['name'][:110]}")
+    print("\ncopies and concatenations by the place in gdn2 that asked for them (ms, calls; one more step):")
+    for c in prof.get("copy_sites", [])[:20]:
+        print(f"  {c['ms']:8.2f} {c['calls']:5d}  {c['op']:12s} {c['site'][:70]:70s} {c['shapes'][:60]}")
 
 
 def main() -> None:
