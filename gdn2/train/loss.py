@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from gdn2.layers.loss import IGNORE_INDEX, cross_entropy_fp32  # noqa: F401
-
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
