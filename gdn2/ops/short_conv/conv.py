@@ -1,9 +1,10 @@
 """Triton kernels of the short convolution: ``y = silu(sum_j w[:, ks-1-j] * x_{t-j})`` per channel.
 
 The forward reads each input row ``ks`` times from cache (one shifted tile per tap) and writes y once.
-The backward recomputes the pre-activation at the ``ks`` rows each input feeds, so nothing but the
-input is saved; it writes dx and, per program, the weight gradient's partial sums over its rows, which
-one torch reduction adds up. Both accumulate in fp32; the taps are rounded to x's dtype first, as a
+Only the input is saved. The backward (``BWD_PASSES = 2``) first writes the pre-activation's gradient
+in fp32 and, per program, the weight gradient's partial sums over its rows (one torch reduction adds
+them up), then dx from four shifted reads of it; the one-kernel form (``BWD_PASSES = 1``) recomputes
+the pre-activation at the ``ks`` rows each input feeds instead of writing it. Both accumulate in fp32; the taps are rounded to x's dtype first, as a
 convolution in that dtype would. x may be a slice of a wider tensor (its rows strided), as the GDN-2
 layer's q, k and v are of the grouped input projection.
 """
@@ -16,10 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+              torch.float64: tl.float64}
+
 # (rows, channels, warps) of one program; the backward holds five such fp32 tiles
 # (``bench/ops_short_conv.py --sweep`` times the candidates)
 FWD_TILE = (64, 128, 4)
 BWD_TILE = (64, 128, 4)
+# 1: one backward kernel, recomputing the pre-activation at the rows each input feeds;
+# 2: two passes, the fp32 pre-activation gradient written once between them (BWD_TILE for both)
+BWD_PASSES = 2
 
 
 @triton.jit
@@ -82,6 +89,57 @@ def _short_conv_bwd_kernel(x, w, pos, dy, dx, dwp, T, C, sxb, sxt, NT,
     tl.store(dxp, dx_acc.to(dx.dtype.element_ty), mask=sm[:, None] & cm[None, :])
 
 
+@triton.jit
+def _short_conv_dpre_kernel(x, w, pos, dy, dpre, dwp, T, C, sxb, sxt, NT,
+                            KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """First pass of the two-pass backward: the pre-activation's gradient (fp32, written once) and the
+    weight gradient's partial sums over this program's rows, from the same shifted input tiles."""
+    it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    s = it * BT + tl.arange(0, BT)
+    c = ic * BC + tl.arange(0, BC)
+    sm, cm = s < T, c < C
+    p = tl.load(pos + s, mask=sm, other=0) if HAS_POS else s
+    xb = x + ib * sxb
+    pre = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(KS):
+        wi = tl.load(w + c * KS + (KS - 1 - i), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+        ok = sm & (p >= i) & (s >= i)
+        xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+        pre += xi.to(tl.float32) * wi[None, :]
+    sg = tl.sigmoid(pre)
+    off = ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :]
+    g = tl.load(dy + off, mask=sm[:, None] & cm[None, :], other=0.0)
+    d = g.to(tl.float32) * sg * (1.0 + pre * (1.0 - sg))
+    tl.store(dpre + off, d, mask=sm[:, None] & cm[None, :])
+    for i in tl.static_range(KS):
+        ok = sm & (p >= i) & (s >= i)
+        xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+        part = tl.sum(d * xi.to(tl.float32), axis=0)
+        tl.store(dwp + ((ib * NT + it) * KS + (KS - 1 - i)) * C + c, part, mask=cm)
+
+
+@triton.jit
+def _short_conv_dx_kernel(dpre, w, pos, dx, T, C, x_dtype: tl.constexpr,
+                          KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Second pass: ``dx_s = sum_j w_j dpre_{s+j}`` over the rows s feeds (inside its document)."""
+    it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    s = it * BT + tl.arange(0, BT)
+    c = ic * BC + tl.arange(0, BC)
+    sm, cm = s < T, c < C
+    base = dpre + ib * T * C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        r = s + j
+        rm = r < T
+        pr = tl.load(pos + r, mask=rm, other=0) if HAS_POS else r
+        feeds = rm & (pr >= j)
+        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x_dtype).to(tl.float32)
+        d = tl.load(base + r.to(tl.int64)[:, None] * C + c[None, :], mask=feeds[:, None] & cm[None, :], other=0.0)
+        acc += d * wj[None, :]
+    tl.store(dx + ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :], acc.to(dx.dtype.element_ty),
+             mask=sm[:, None] & cm[None, :])
+
+
 class ShortConvSiLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pos: Optional[torch.Tensor]) -> torch.Tensor:
@@ -108,10 +166,19 @@ class ShortConvSiLUFunction(torch.autograd.Function):
         bt, bc, warps = BWD_TILE
         nt = triton.cdiv(T, bt)
         partial = torch.empty((B * nt, ks, C), dtype=torch.float32, device=x.device)
-        if dx.numel():
-            _short_conv_bwd_kernel[(nt, triton.cdiv(C, bc), B)](
-                x, w, w if pos is None else pos, dy, dx, partial, T, C, x.stride(0), x.stride(1), nt,
+        grid = (nt, triton.cdiv(C, bc), B)
+        posarg = w if pos is None else pos
+        if dx.numel() and BWD_PASSES == 1:
+            _short_conv_bwd_kernel[grid](
+                x, w, posarg, dy, dx, partial, T, C, x.stride(0), x.stride(1), nt,
                 KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
+        elif dx.numel():
+            dpre = torch.empty((B, T, C), dtype=torch.float32, device=x.device)
+            _short_conv_dpre_kernel[grid](
+                x, w, posarg, dy, dpre, partial, T, C, x.stride(0), x.stride(1), nt,
+                KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
+            _short_conv_dx_kernel[grid](dpre, w, posarg, dx, T, C, x_dtype=_TL_DTYPES[x.dtype],
+                                        KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
         dw = partial.sum(0).t().reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx, dw, None
 

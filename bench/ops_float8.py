@@ -1,0 +1,133 @@
+"""float8 matmuls at the training step's GEMM shapes: what torchao's float8 training would save.
+
+For every distinct GEMM of one optimizer step of ``--config`` (micro-batch 4 x 4096 = 16,384 tokens,
+grouped projections as the trainer runs them: a GDN-2 layer's seven input projections as one GEMM, an
+MLP's two as one, the attention layer's qkv), this times forward + backward (y, dx, dW: three GEMMs)
+of a bias-free linear with an fp32 weight under bf16 autocast, as the trainer runs it, against
+torchao's ``Float8Linear`` with each ``--recipes`` scaling (``tensorwise``, ``rowwise``,
+``rowwise_with_gw_hp``); both compiled with ``torch.compile`` (float8's scaling and casts fused, as
+torchao requires for speed). The per-step total (each shape's time x its count per step) says how much
+of the step's GEMM time float8 could take off, casts and scales included, before it is wired into the
+model. Each float8 output is checked against the bf16 one (relative error of y, dx, dW).
+
+Prints a table and writes JSON to $OUT/ops_float8_<config>.json (./bench_out when OUT is unset).
+
+    PYTHONPATH=. python bench/ops_float8.py [--config swa_gdn2_1.3B] [--recipes tensorwise,rowwise]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def step_gemms(config, tokens: int) -> Counter:
+    """(in features, out features) -> count, for one forward of ``tokens`` tokens with grouped
+    projections (the trainer's default); the head is one GEMM over all tokens."""
+    c = config
+    shapes: Counter = Counter()
+    for i in range(c.n_layer):
+        if c.is_gdn2_layer(i):
+            kd, vd, r = c.gdn2_key_dim, c.gdn2_value_dim, c.gdn2_gate_rank
+            shapes[(c.n_embd, 2 * kd + vd + r + kd + vd + r)] += 1  # q k v, decay low rank, erase, write, gate low rank
+            shapes[(r, kd)] += 1  # decay up
+            shapes[(r, vd)] += 1  # output gate up
+            shapes[(vd, c.n_embd)] += 1  # o_proj
+        else:
+            shapes[(c.n_embd, (c.n_head + 2 * c.n_query_groups) * c.head_size)] += 1
+            shapes[(c.n_head * c.head_size, c.n_embd)] += 1
+        shapes[(c.n_embd, 2 * c.intermediate_size)] += 1
+        shapes[(c.intermediate_size, c.n_embd)] += 1
+    shapes[(c.n_embd, c.vocab_size)] += 1
+    return shapes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="swa_gdn2_1.3B")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--recipes", type=lambda v: v.split(","), default=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/ops_float8.py: needs a CUDA GPU with float8 (sm_89 or newer)")
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise SystemExit("bench/ops_float8.py: torchao is not installed (pip install torchao)") from None
+    import triton.testing
+
+    from gdn2.train.recipe import load_recipe
+
+    config = load_recipe(args.config).model
+    shapes = step_gemms(config, args.tokens)
+    dev = "cuda"
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "torchao": torchao.__version__, "config": args.config, "tokens": args.tokens, "rows": []}
+    print(f"{args.config}: {sum(shapes.values())} GEMMs per forward at {args.tokens} tokens, "
+          f"{len(shapes)} shapes; {report['device']}, torch {torch.__version__}, torchao {torchao.__version__}",
+          flush=True)
+    totals = Counter()
+    for (k, n), count in sorted(shapes.items()):
+        torch.manual_seed(0)
+        x = torch.randn(args.tokens, k, device=dev)
+        dy = torch.randn(args.tokens, n, device=dev, dtype=torch.bfloat16)
+        row: dict = {"in": k, "out": n, "count": count, "ms": {}, "rel_err": {}}
+
+        def fwd_bwd(layer, xr):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(xr)
+            y.backward(dy)
+            return y
+
+        base = torch.nn.Linear(k, n, bias=False, device=dev)
+        torch.nn.init.normal_(base.weight, std=k ** -0.5)
+        results = {}
+        variants = {"bf16": None, **{r: r for r in args.recipes}}
+        for name, recipe in variants.items():
+            layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=dev))
+            layer[0].weight.data.copy_(base.weight.data)
+            if recipe is not None:
+                if k % 16 or n % 16:
+                    continue
+                convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+            layer = torch.compile(layer)
+            xr = x.clone().requires_grad_(True)
+            y = fwd_bwd(layer, xr)
+            results[name] = (y.detach().float(), xr.grad.float(), layer._orig_mod[0].weight.grad.float())
+            ms = triton.testing.do_bench(lambda: fwd_bwd(layer, xr), warmup=10, rep=50, grad_to_none=[xr])
+            row["ms"][name] = ms
+            totals[name] += ms * count
+        for name in results:
+            if name == "bf16":
+                continue
+            row["rel_err"][name] = {t: ((a - b).norm() / b.norm()).item() for t, a, b in
+                                    zip(("y", "dx", "dW"), results[name], results["bf16"]) if a is not None}
+        report["rows"].append(row)
+        print(f"{k} -> {n} x{count}: " + ", ".join(f"{m} {v:.3f} ms" for m, v in row["ms"].items()) + "; "
+              + "; ".join(f"{m} err " + "/".join(f"{e:.1e}" for e in errs.values())
+                          for m, errs in row["rel_err"].items()), flush=True)
+    report["per_step_ms"] = dict(totals)
+    print(f"\nforward + backward of every GEMM of one micro-batch ({args.tokens} tokens), {args.config}:")
+    print("| variant | ms per micro-batch | vs bf16 |\n|---|---|---|")
+    for name, ms in totals.items():
+        print(f"| {name} | {ms:.1f} | {totals['bf16'] / ms:.2f}x |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"ops_float8_{args.config}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
