@@ -3,8 +3,8 @@
 For every distinct GEMM of one optimizer step of ``--config`` (micro-batch 4 x 4096 = 16,384 tokens,
 grouped projections as the trainer runs them: a GDN-2 layer's seven input projections as one GEMM, an
 MLP's two as one, the attention layer's qkv), this times forward + backward (y, dx, dW: three GEMMs)
-of a bias-free linear with an fp32 weight under bf16 autocast, as the trainer runs it, against
-torchao's ``Float8Linear`` with each ``--recipes`` scaling (``tensorwise``, ``rowwise``,
+of a bias-free linear with an fp32 weight and a bf16 input under bf16 autocast, as the trainer runs
+it, against torchao's ``Float8Linear`` with each ``--recipes`` scaling (``tensorwise``, ``rowwise``,
 ``rowwise_with_gw_hp``); both compiled with ``torch.compile`` (float8's scaling and casts fused, as
 torchao requires for speed). The per-step total (each shape's time x its count per step) says how much
 of the step's GEMM time float8 could take off, casts and scales included, before it is wired into the
@@ -80,7 +80,7 @@ def main() -> None:
     totals = Counter()
     for (k, n), count in sorted(shapes.items()):
         torch.manual_seed(0)
-        x = torch.randn(args.tokens, k, device=dev)
+        x = torch.randn(args.tokens, k, device=dev, dtype=torch.bfloat16)  # a norm's output, as in the model
         dy = torch.randn(args.tokens, n, device=dev, dtype=torch.bfloat16)
         row: dict = {"in": k, "out": n, "count": count, "ms": {}, "rel_err": {}}
 
@@ -101,6 +101,7 @@ def main() -> None:
                 if k % 16 or n % 16:
                     continue
                 convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+            torch._dynamo.reset()  # one compile per variant and shape, none hitting the recompile limit
             layer = torch.compile(layer)
             xr = x.clone().requires_grad_(True)
             y = fwd_bwd(layer, xr)

@@ -120,19 +120,20 @@ def fusable(fn: FnT) -> FnT:
 
 
 @fusable
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last axis in fp32, returned in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] = None
+             ) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last axis in fp32, returned in ``out_dtype`` (default x's)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * weight.float()).to(out_dtype or x.dtype)
 
 
 @fusable
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + delta`` and ``rms_norm(s)``: a residual add and the norm that reads it, one pass."""
     s = x + delta
-    return s, rms_norm.eager(s, weight, eps)
+    return s, rms_norm.eager(s, weight, eps, out_dtype)
 
 
 @fusable

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gdn2.layers.fused import add_rms_norm, rms_norm
+from gdn2.layers.fused import add_rms_norm, compute_dtype, rms_norm
 
 
 class Linear(nn.Linear):
@@ -65,11 +65,15 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        """In the dtype the next matmul runs in (autocast's where it is on: every reader of a norm's
+        output is a projection), so the cast is part of the norm's pass and its gradient arrives in
+        that dtype."""
+        return rms_norm(x, self.weight, self.eps, compute_dtype(x))
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, self(x + delta))`` in one pass (fused when compiled)."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+        """``(x + delta, self(x + delta))`` in one pass (fused when compiled); the sum in its own
+        dtype (the residual stream), the norm as :meth:`forward`."""
+        return add_rms_norm(x, delta, self.weight, self.eps, compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

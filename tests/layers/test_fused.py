@@ -107,6 +107,30 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm():
     torch.testing.assert_close(n, ref)
 
 
+def test_norm_under_autocast_returns_the_matmul_dtype_with_the_cast_values_and_gradients():
+    """Under autocast an RMSNorm hands its reader (a projection) autocast's dtype: the same values and
+    gradients as the fp32 norm followed by the cast the projection would make, the residual sum fp32."""
+    from gdn2.layers.init import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, d = torch.randn(3, 4, 16, requires_grad=True), torch.randn(3, 4, 16)
+    up = torch.randn(3, 4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s, n = norm.add_forward(x, d)
+        m = norm(x)
+    assert (s.dtype, n.dtype, m.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    (n.float() * up).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    ref = fused.rms_norm(x + d, norm.weight, norm.eps)
+    assert torch.equal(n, ref.to(torch.bfloat16)) and torch.equal(m, fused.rms_norm(x, norm.weight, norm.eps).bfloat16())
+    (ref.to(torch.bfloat16).float() * up).sum().backward()
+    assert torch.equal(got, x.grad)
+
+
 def test_switch_leaves_cpu_calls_eager():
     captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
     fused.set_compiled(True)

@@ -1,10 +1,11 @@
 """Triton kernels of the short convolution: ``y = silu(sum_j w[:, ks-1-j] * x_{t-j})`` per channel.
 
 The forward reads each input row ``ks`` times from cache (one shifted tile per tap) and writes y once.
-Only the input is saved. The backward (``BWD_PASSES = 2``) first writes the pre-activation's gradient
-in fp32 and, per program, the weight gradient's partial sums over its rows (one torch reduction adds
-them up), then dx from four shifted reads of it; the one-kernel form (``BWD_PASSES = 1``) recomputes
-the pre-activation at the ``ks`` rows each input feeds instead of writing it. Both accumulate in fp32; the taps are rounded to x's dtype first, as a
+Only the input is saved. The backward runs in two passes: the first recomputes the pre-activation,
+writes its gradient in fp32 and, per program, the weight gradient's partial sums over its rows (one
+torch reduction adds them up); the second makes dx from ``ks`` shifted reads of that gradient. (One
+kernel that recomputed the pre-activation at the ``ks`` rows each input feeds, writing nothing in
+between, took 2.3x as long on an H200.) Both accumulate in fp32; the taps are rounded to x's dtype first, as a
 convolution in that dtype would. x may be a slice of a wider tensor (its rows strided), as the GDN-2
 layer's q, k and v are of the grouped input projection.
 """
@@ -20,13 +21,11 @@ import triton.language as tl
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.float64: tl.float64}
 
-# (rows, channels, warps) of one program; the backward holds five such fp32 tiles
+# (rows, channels, warps) of one program, the backward's tile for both of its kernels
 # (``bench/ops_short_conv.py --sweep`` times the candidates)
 FWD_TILE = (64, 128, 4)
 BWD_TILE = (64, 128, 4)
-# 1: one backward kernel, recomputing the pre-activation at the rows each input feeds;
-# 2: two passes, the fp32 pre-activation gradient written once between them (BWD_TILE for both)
-BWD_PASSES = 2
+
 
 
 @triton.jit
@@ -50,50 +49,10 @@ def _short_conv_fwd_kernel(x, w, pos, y, T, C, sxb, sxt,
 
 
 @triton.jit
-def _short_conv_bwd_kernel(x, w, pos, dy, dx, dwp, T, C, sxb, sxt, NT,
-                           KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    s = it * BT + tl.arange(0, BT)
-    c = ic * BC + tl.arange(0, BC)
-    sm, cm = s < T, c < C
-    xb = x + ib * sxb
-    dyb = dy + ib * T * C
-    dx_acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KS):
-        # the row r = s + j, which input row s feeds through tap j
-        r = s + j
-        rm = r < T
-        pr = tl.load(pos + r, mask=rm, other=0) if HAS_POS else r
-        pre = tl.zeros([BT, BC], dtype=tl.float32)
-        for i in tl.static_range(KS):
-            wi = tl.load(w + c * KS + (KS - 1 - i), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
-            ok = rm & (pr >= i) & (r >= i)
-            xi = tl.load(xb + (r - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
-                         other=0.0)
-            pre += xi.to(tl.float32) * wi[None, :]
-        sg = tl.sigmoid(pre)
-        g = tl.load(dyb + r.to(tl.int64)[:, None] * C + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        dpre = g.to(tl.float32) * sg * (1.0 + pre * (1.0 - sg))
-        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
-        feeds = rm & (pr >= j)
-        dx_acc += tl.where(feeds[:, None], dpre * wj[None, :], 0.0)
-        if j == 0:
-            # the weight gradient over this program's rows: tap ks-1-i pairs dpre_s with x_{s-i}
-            for i in tl.static_range(KS):
-                ok = sm & (pr >= i) & (s >= i)
-                xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
-                             other=0.0)
-                part = tl.sum(dpre * xi.to(tl.float32), axis=0)
-                tl.store(dwp + ((ib * NT + it) * KS + (KS - 1 - i)) * C + c, part, mask=cm)
-    dxp = dx + ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :]
-    tl.store(dxp, dx_acc.to(dx.dtype.element_ty), mask=sm[:, None] & cm[None, :])
-
-
-@triton.jit
 def _short_conv_dpre_kernel(x, w, pos, dy, dpre, dwp, T, C, sxb, sxt, NT,
                             KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """First pass of the two-pass backward: the pre-activation's gradient (fp32, written once) and the
-    weight gradient's partial sums over this program's rows, from the same shifted input tiles."""
+    """The backward's first pass: the pre-activation's gradient (fp32, written once) and the weight
+    gradient's partial sums over this program's rows, from the same shifted input tiles."""
     it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     s = it * BT + tl.arange(0, BT)
     c = ic * BC + tl.arange(0, BC)
@@ -168,11 +127,7 @@ class ShortConvSiLUFunction(torch.autograd.Function):
         partial = torch.empty((B * nt, ks, C), dtype=torch.float32, device=x.device)
         grid = (nt, triton.cdiv(C, bc), B)
         posarg = w if pos is None else pos
-        if dx.numel() and BWD_PASSES == 1:
-            _short_conv_bwd_kernel[grid](
-                x, w, posarg, dy, dx, partial, T, C, x.stride(0), x.stride(1), nt,
-                KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
-        elif dx.numel():
+        if dx.numel():
             dpre = torch.empty((B, T, C), dtype=torch.float32, device=x.device)
             _short_conv_dpre_kernel[grid](
                 x, w, posarg, dy, dpre, partial, T, C, x.stride(0), x.stride(1), nt,
