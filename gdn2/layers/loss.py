@@ -13,31 +13,37 @@ and its gradient, and keep only the gradient:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from gdn2.layers.fused import compute_dtype
+from gdn2.layers.fused import compute_dtype, fusable
 
 IGNORE_INDEX = -100
-
-
-def _slice_loss_and_grad(x: torch.Tensor, target: torch.Tensor, ok: torch.Tensor, count: torch.Tensor,
-                         want_grad: bool) -> torch.Tensor:
-    """Summed loss of fp32 logits ``x`` [n, V] over the rows ``ok`` marks; with ``want_grad``, ``x`` is
-    overwritten with d mean-loss / d logits ((softmax - onehot) / count on those rows, 0 elsewhere)."""
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, target[:, None]).squeeze(1)
-    total = torch.where(ok, lse - picked, 0.0).sum()
-    if want_grad:
-        x.sub_(lse[:, None]).exp_()
-        x.scatter_add_(1, target[:, None], torch.full_like(picked[:, None], -1.0))
-        x.mul_((ok.to(x.dtype) / count)[:, None])
-    return total
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     """fp32 math, fp64 for fp64 inputs."""
     return torch.promote_types(dtype, torch.float32)
+
+
+@fusable
+def slice_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ok: torch.Tensor, count: torch.Tensor,
+                        want_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Summed loss of logits [n, V] over the rows ``ok`` marks, in fp32 (fp64 for fp64 logits); with
+    ``want_grad`` also d mean-loss / d logits in the logits' dtype ((softmax - onehot) / count on those
+    rows, 0 elsewhere), else None. Compiled (``train.compile``), the fp32 logits never exist in memory:
+    the rows are read in their own dtype and the gradient is written once."""
+    x = logits.to(_accumulator(logits.dtype))
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    total = torch.where(ok, lse - picked, 0.0).sum()
+    if not want_grad:
+        return total, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]
+    grad = (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)) * (ok.to(x.dtype) / count)[:, None]
+    return total, grad.to(logits.dtype)
 
 
 def _targets(labels: torch.Tensor, ignore_index: int, acc: torch.dtype
@@ -57,10 +63,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=logits.device)
         for start in range(0, logits.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, logits.shape[0])
-            x = logits[start:end].to(acc, copy=True)  # a copy: overwritten with its gradient
-            total += _slice_loss_and_grad(x, target[start:end], valid[start:end], count, want_grad)
+            part, g = slice_loss_and_grad(logits[start:end], target[start:end], valid[start:end], count,
+                                          want_grad)
+            total += part
             if want_grad:
-                grad[start:end] = x.to(grad.dtype)
+                grad[start:end] = g
         if want_grad:
             ctx.save_for_backward(grad)
         return (total / count).float()
@@ -86,9 +93,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, h.shape[0], chunk_tokens):
                 end = min(start + chunk_tokens, h.shape[0])
-                x = F.linear(h[start:end], w).to(acc)
-                total += _slice_loss_and_grad(x, target[start:end], valid[start:end], count, want_h or want_w)
-                g = x.to(dtype) if want_h or want_w else None
+                part, g = slice_loss_and_grad(F.linear(h[start:end], w), target[start:end], valid[start:end],
+                                              count, want_h or want_w)
+                total += part
                 if want_h:
                     grad_h[start:end] = g @ w
                 if want_w:

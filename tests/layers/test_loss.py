@@ -30,6 +30,25 @@ def test_chunked_cross_entropy_matches_torch(dtype):
         assert cross_entropy_fp32(logits, labels).item() == pytest.approx(ref.item(), rel=1e-6)
 
 
+def test_slice_stage_traces_as_one_graph_with_the_eager_values():
+    """The slice's loss and gradient, as ``train.compile`` runs them (one traced graph), equal eager."""
+    from gdn2.layers.loss import slice_loss_and_grad
+
+    torch.manual_seed(4)
+    logits = (torch.randn(9, 50) * 3).to(torch.bfloat16)
+    target, ok = torch.randint(0, 50, (9,)), torch.rand(9) > 0.3
+    count = ok.sum().float()
+    torch._dynamo.reset()
+    traced = torch.compile(slice_loss_and_grad.eager, backend="aot_eager", fullgraph=True)
+    for want_grad in (True, False):
+        (t_e, g_e), (t_c, g_c) = (fn(logits, target, ok, count, want_grad)
+                                  for fn in (slice_loss_and_grad.eager, traced))
+        torch.testing.assert_close(t_c, t_e)
+        assert (g_e is None) == (g_c is None) == (not want_grad)
+        if want_grad:
+            assert g_c.dtype == torch.bfloat16 and torch.equal(g_c, g_e) and g_e[~ok].abs().max() == 0
+
+
 def test_chunked_cross_entropy_scales_with_upstream_gradient():
     logits = torch.randn(10, 7, requires_grad=True)
     labels = torch.randint(0, 7, (10,))
@@ -37,7 +56,6 @@ def test_chunked_cross_entropy_scales_with_upstream_gradient():
     ref = logits.detach().clone().requires_grad_(True)
     (F.cross_entropy(ref, labels) * 2.5).backward()
     torch.testing.assert_close(logits.grad, ref.grad)
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
