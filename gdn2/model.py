@@ -25,6 +25,7 @@ from gdn2.layers.packed import PackedPrompts
 
 if TYPE_CHECKING:
     from gdn2.inference import BlockWeights
+    from gdn2.layers.float8 import Float8Spec
 
 __all__ = ["GPT", "Block", "MLP", "flops_per_token", "positions_in_documents"]
 
@@ -140,6 +141,21 @@ class GPT(nn.Module):
         for module in self.modules():
             if hasattr(module, "grouped_projections"):
                 module.grouped_projections = bool(enabled)
+
+    def set_float8(self, spec: Optional["Float8Spec"]) -> None:
+        """Run the blocks' projections in float8 (``spec`` from :func:`gdn2.layers.float8.float8_spec`;
+        None: back to the autocast dtype): every block projection that :func:`gdn2.layers.float8.eligible`
+        admits, grouped ones as one float8 GEMM, except the GDN-2 gates' low-rank up-projections (their
+        GEMMs reduce over the gate rank only). The output head keeps its GEMMs (off for a bare model;
+        ``train.float8`` in training)."""
+        from gdn2.layers.float8 import eligible
+
+        low_rank_ups = {id(lin) for m in self.transformer.h.modules() if isinstance(m, GatedDeltaNet2)
+                        for lin in (m.f_proj[1], m.g_proj[1])}
+        for module in self.transformer.h.modules():
+            if isinstance(module, Linear):
+                on = spec is not None and eligible(module) and id(module) not in low_rank_ups
+                module.float8 = spec if on else None
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

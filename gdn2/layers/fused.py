@@ -90,13 +90,21 @@ class _GroupedLinear(torch.autograd.Function):
 
 def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]`` (bias-free linears); with ``grouped``, as one GEMM over the
-    stacked weights whose output is split into views (the layers' ``grouped_projections``)."""
+    stacked weights whose output is split into views (the layers' ``grouped_projections``), a float8
+    one where the first linear's ``float8`` spec is set (all of a group read the same input, so
+    :meth:`gdn2.model.GPT.set_float8` marks all or none)."""
     if not grouped or len(linears) == 1:
         return [lin(x) for lin in linears]
     if any(lin.bias is not None for lin in linears):
         raise ValueError("grouped projections take bias-free linears")
     weights = [lin.weight for lin in linears]
-    y = _GroupedLinear.apply(x, *weights)
+    spec = getattr(linears[0], "float8", None)
+    if spec is not None:
+        from gdn2.layers.float8 import float8_linear
+
+        y = float8_linear(x, tuple(weights), None, spec, compute_dtype(x))
+    else:
+        y = _GroupedLinear.apply(x, *weights)
     return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 

@@ -7,12 +7,16 @@ materialised shard by shard (FSDP calls ``reset_parameters`` on every module tha
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 
+from gdn2.layers.float8 import float8_linear
 from gdn2.layers.fused import add_rms_norm, compute_dtype, rms_norm
+
+if TYPE_CHECKING:
+    from gdn2.layers.float8 import Float8Spec
 
 
 class Linear(nn.Linear):
@@ -25,6 +29,12 @@ class Linear(nn.Linear):
             raise ValueError(f"init must be 'normal' or 'xavier', got {init!r}")
         self.init, self.std, self.gain = init, std, gain
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.float8: Optional["Float8Spec"] = None  # see GPT.set_float8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8 is None:
+            return super().forward(x)
+        return float8_linear(x, (self.weight,), self.bias, self.float8, compute_dtype(x))
 
     def reset_parameters(self) -> None:
         if self.init == "normal":

@@ -55,6 +55,9 @@ class TrainConfig:
                                    "a slice of tokens at a time: the logits never exist whole")
     grouped_projections: bool = _opt(True, "one GEMM for the projections that read one input (a GDN-2 "
                                             "layer's seven, the MLP's two)")
+    float8: Optional[str] = _opt(None, "the blocks' projections as float8 GEMMs (torchao): tensorwise, rowwise "
+                                       "or rowwise_with_gw_hp scaling; null: bf16. Needs a GPU of compute "
+                                       "capability 8.9+ and pip install 'gdn2[float8]'")
     profile_steps: Optional[str] = _opt(None, "record these optimizer steps with torch.profiler ('10-12' or '7'), "
                                               "a trace per rank in <out_dir>/profile/")
 
@@ -329,6 +332,10 @@ def _validate(recipe: Recipe) -> None:
     need(t.max_consecutive_nonfinite >= 0, "train.max_consecutive_nonfinite",
          f"must be >= 0, got {t.max_consecutive_nonfinite}")
     need(t.loss_chunk_tokens > 0, "train.loss_chunk_tokens", f"must be positive, got {t.loss_chunk_tokens}")
+    if t.float8 is not None:
+        from gdn2.layers.float8 import RECIPES
+
+        need(t.float8 in RECIPES, "train.float8", f"must be one of {', '.join(RECIPES)} or null, got {t.float8!r}")
     from gdn2.train.profile import parse_steps
 
     parse_steps(t.profile_steps)

@@ -16,6 +16,7 @@ import torch
 
 from gdn2.data import find_shards, read_manifest
 from gdn2.data.shards import PackedShardReader
+from gdn2.layers.float8 import check_device, float8_spec
 from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.checkpoint import read_checkpoint_config, read_marker
@@ -134,6 +135,10 @@ def build_model_and_optimizer(fabric, recipe: Recipe):
         model = GPT(recipe.model)
     model.fused_loss = recipe.train.fused_loss
     model.set_grouped_projections(recipe.train.grouped_projections)
+    if recipe.train.float8 is not None:
+        spec = float8_spec(recipe.train.float8)
+        check_device(spec, fabric.device)
+        model.set_float8(spec)
     num_params = sum(p.numel() for p in model.parameters())
     no_decay = no_weight_decay_names(model)  # decided on the bare model: FSDP loses shapes and attributes
     if recipe.train.activation_checkpointing and not is_fsdp(fabric):  # FSDP applies its own policy
