@@ -27,17 +27,23 @@ _compiled_enabled = False
 _devices: tuple[str, ...] = ("cuda",)
 _backend = "inductor"
 _twins: dict[Callable, Callable] = {}  # plain function -> its compiled twin, made on first use
+# graphs one stage may hold: a stage sees each of the model's projection shapes (the float8 GEMMs),
+# with and without gradients (training, validation); torch's default of 8 would send the rest eager
+RECOMPILE_LIMIT = 64
 
 FnT = TypeVar("FnT", bound=Callable)
 
 
 def set_compiled(enabled: bool, devices: tuple[str, ...] = ("cuda",), backend: str = "inductor") -> None:
     """Route the stages' calls on tensors of ``devices`` through their ``torch.compile``'d twins
-    (process-wide). ``backend`` is torch.compile's (the tests trace on the CPU with ``aot_eager``)."""
+    (process-wide; it also raises torch's per-function recompile limit to :data:`RECOMPILE_LIMIT`).
+    ``backend`` is torch.compile's (the tests trace on the CPU with ``aot_eager``)."""
     global _compiled_enabled, _devices, _backend
     if (devices, backend) != (_devices, _backend):
         _twins.clear()
     _compiled_enabled, _devices, _backend = bool(enabled), tuple(devices), backend
+    if enabled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def compiled_enabled() -> bool:

@@ -53,9 +53,10 @@ def test_bad_float8_settings_are_named():
         check_device(float8_spec("rowwise"), torch.device("cpu"))
 
 
-def test_float8_stage_traces_without_graph_breaks_to_the_eager_values():
+def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     """As ``train.compile`` runs it (each float8 GEMM one traced stage): no graph break, same loss and
-    gradients as eager."""
+    gradients as eager, and a validation forward after training still traced (each projection shape
+    with and without gradients is more graphs than torch's default recompile limit)."""
     from gdn2.layers import fused
 
     torch.manual_seed(1)
@@ -67,11 +68,17 @@ def test_float8_stage_traces_without_graph_breaks_to_the_eager_values():
     loss_e, grads_e = _loss_and_grads(model, idx)
     torch._dynamo.reset()
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    with torch.no_grad():
+        val_e = model(idx[:, :-1], labels=idx[:, 1:])
     fused.set_compiled(True, devices=("cpu",), backend="aot_eager")
     try:
         loss_c, grads_c = _loss_and_grads(model, idx)
+        with torch.no_grad():
+            val_c = model(idx[:, :-1], labels=idx[:, 1:])
     finally:
         fused.set_compiled(False)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
+    assert "recompile_limit" not in caplog.text
+    torch.testing.assert_close(val_c, val_e)
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(grads_c, grads_e, rtol=1e-5, atol=1e-6)
