@@ -6,7 +6,8 @@ forward, input gradient and weight gradient as scaled float8 matmuls; the weight
 parameters and the optimizer does not change. Here that autograd function runs over the model's own
 projections: :meth:`gdn2.model.GPT.set_float8` marks every block projection, and a grouped
 projection (``train.grouped_projections``) runs as one float8 GEMM over its stacked weights. The
-output head and the GDN-2 gates' low-rank up-projections (reducing over 128 channels) stay in bf16. With ``train.compile`` the casts and scales fuse into one compiled stage.
+output head and the GDN-2 gates' low-rank up-projections (reducing over 128 channels) stay in bf16.
+With ``train.compile`` the casts and scales fuse into one compiled stage.
 
 torchao is an optional dependency (``pip install "gdn2[float8]"``); float8 matmuls need a GPU of
 compute capability 8.9 or newer (Ada, Hopper and later).
