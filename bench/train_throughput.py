@@ -214,6 +214,11 @@ def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bo
             data.update(ok=False, oom=oom, error=output.strip().splitlines()[-1][:300] if output.strip() else f"rc {rc}")
             if not oom:
                 (workdir / f"trial_{tag}.log").write_text(output[-20000:])
+    if "recompile_limit" in output:  # torch.compile gave up on some stage: those calls ran eagerly
+        data["recompile_limit_hit"] = True
+        (workdir / f"trial_{tag}.log").write_text(output[-20000:])
+        print(f"  note: {tag}: torch.compile hit its recompile limit (some stages ran eagerly); "
+              f"its output is in {workdir / f'trial_{tag}.log'}", flush=True)
     data["wall_s"] = round(time.time() - t0, 1)
     return data
 
