@@ -7,8 +7,8 @@ of a bias-free linear with an fp32 weight and a bf16 input under bf16 autocast, 
 it, against torchao's ``Float8Linear`` with each ``--recipes`` scaling (``tensorwise``, ``rowwise``,
 ``rowwise_with_gw_hp``); both compiled with ``torch.compile`` (float8's scaling and casts fused, as
 torchao requires for speed). The per-step total (each shape's time x its count per step) says how much
-of the step's GEMM time float8 could take off, casts and scales included, before it is wired into the
-model. Each float8 output is checked against the bf16 one (relative error of y, dx, dW).
+of the step's GEMM time float8 could take off, casts and scales included; a second total keeps the
+shapes ``train.float8`` leaves in bf16 (the head, the low-rank gate ups) at their bf16 time. Each float8 output is checked against the bf16 one (relative error of y, dx, dW).
 
 Prints a table and writes JSON to $OUT/ops_float8_<config>.json (./bench_out when OUT is unset).
 
@@ -28,6 +28,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def kept_in_bf16(config) -> set:
+    """The shapes ``train.float8`` leaves in bf16: the head and the GDN-2 gates' low-rank ups."""
+    c = config
+    return {(c.n_embd, c.vocab_size), (c.gdn2_gate_rank, c.gdn2_key_dim), (c.gdn2_gate_rank, c.gdn2_value_dim)}
 
 
 def step_gemms(config, tokens: int) -> Counter:
@@ -109,6 +115,10 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda: fwd_bwd(layer, xr), warmup=10, rep=50, grad_to_none=[xr])
             row["ms"][name] = ms
             totals[name] += ms * count
+        for name in variants:
+            if name != "bf16" and name in row["ms"]:
+                as_run = "bf16" if (k, n) in kept_in_bf16(config) else name
+                totals[f"{name}, as train.float8 runs it"] += row["ms"][as_run] * count
         for name in results:
             if name == "bf16":
                 continue
