@@ -18,14 +18,35 @@ import torch
 import triton
 import triton.language as tl
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-              torch.float64: tl.float64}
 
 # (rows, channels, warps) of one program, the backward's tile for both of its kernels
 # (``bench/ops_short_conv.py --sweep`` times the candidates)
 FWD_TILE = (64, 128, 4)
 BWD_TILE = (64, 128, 4)
 
+
+@triton.jit
+def _tap(w, c, cm, j: tl.constexpr, KS: tl.constexpr, like):
+    """The weight on x_{t-j} per channel, rounded to the dtype of the pointer ``like`` (x's), in fp32."""
+    return tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(like.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _shifted_input(xb, t, c, tm, cm, p, j: tl.constexpr, sxt):
+    """x_{t-j} for the rows t in fp32; 0 where t-j lies before the sequence or the row's document."""
+    ok = tm & (p >= j) & (t >= j)
+    xj = tl.load(xb + (t - j).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+    return xj.to(tl.float32)
+
+
+@triton.jit
+def _pre_activation(xb, w, t, c, tm, cm, p, sxt, KS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``sum_j w_j x_{t-j}`` for the rows t, in fp32."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KS):
+        wj = _tap(w, c, cm, j, KS, xb)
+        acc += _shifted_input(xb, t, c, tm, cm, p, j, sxt) * wj[None, :]
+    return acc
 
 
 @triton.jit
@@ -36,13 +57,7 @@ def _short_conv_fwd_kernel(x, w, pos, y, T, C, sxb, sxt,
     c = ic * BC + tl.arange(0, BC)
     tm, cm = t < T, c < C
     p = tl.load(pos + t, mask=tm, other=0) if HAS_POS else t
-    xb = x + ib * sxb
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KS):
-        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
-        ok = tm & (p >= j) & (t >= j)
-        xj = tl.load(xb + (t - j).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-        acc += xj.to(tl.float32) * wj[None, :]
+    acc = _pre_activation(x + ib * sxb, w, t, c, tm, cm, p, sxt, KS, BT, BC)
     out = acc * tl.sigmoid(acc)
     yp = y + ib * T * C + t.to(tl.int64)[:, None] * C + c[None, :]
     tl.store(yp, out.to(y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
@@ -59,26 +74,19 @@ def _short_conv_dpre_kernel(x, w, pos, dy, dpre, dwp, T, C, sxb, sxt, NT,
     sm, cm = s < T, c < C
     p = tl.load(pos + s, mask=sm, other=0) if HAS_POS else s
     xb = x + ib * sxb
-    pre = tl.zeros([BT, BC], dtype=tl.float32)
-    for i in tl.static_range(KS):
-        wi = tl.load(w + c * KS + (KS - 1 - i), mask=cm, other=0.0).to(x.dtype.element_ty).to(tl.float32)
-        ok = sm & (p >= i) & (s >= i)
-        xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-        pre += xi.to(tl.float32) * wi[None, :]
+    pre = _pre_activation(xb, w, s, c, sm, cm, p, sxt, KS, BT, BC)
     sg = tl.sigmoid(pre)
     off = ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :]
     g = tl.load(dy + off, mask=sm[:, None] & cm[None, :], other=0.0)
     d = g.to(tl.float32) * sg * (1.0 + pre * (1.0 - sg))
     tl.store(dpre + off, d, mask=sm[:, None] & cm[None, :])
     for i in tl.static_range(KS):
-        ok = sm & (p >= i) & (s >= i)
-        xi = tl.load(xb + (s - i).to(tl.int64)[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-        part = tl.sum(d * xi.to(tl.float32), axis=0)
+        part = tl.sum(d * _shifted_input(xb, s, c, sm, cm, p, i, sxt), axis=0)
         tl.store(dwp + ((ib * NT + it) * KS + (KS - 1 - i)) * C + c, part, mask=cm)
 
 
 @triton.jit
-def _short_conv_dx_kernel(dpre, w, pos, dx, T, C, x_dtype: tl.constexpr,
+def _short_conv_dx_kernel(dpre, w, pos, dx, T, C,
                           KS: tl.constexpr, HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Second pass: ``dx_s = sum_j w_j dpre_{s+j}`` over the rows s feeds (inside its document)."""
     it, ic, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -92,7 +100,7 @@ def _short_conv_dx_kernel(dpre, w, pos, dx, T, C, x_dtype: tl.constexpr,
         rm = r < T
         pr = tl.load(pos + r, mask=rm, other=0) if HAS_POS else r
         feeds = rm & (pr >= j)
-        wj = tl.load(w + c * KS + (KS - 1 - j), mask=cm, other=0.0).to(x_dtype).to(tl.float32)
+        wj = _tap(w, c, cm, j, KS, dx)
         d = tl.load(base + r.to(tl.int64)[:, None] * C + c[None, :], mask=feeds[:, None] & cm[None, :], other=0.0)
         acc += d * wj[None, :]
     tl.store(dx + ib * T * C + s.to(tl.int64)[:, None] * C + c[None, :], acc.to(dx.dtype.element_ty),
@@ -132,7 +140,7 @@ class ShortConvSiLUFunction(torch.autograd.Function):
             _short_conv_dpre_kernel[grid](
                 x, w, posarg, dy, dpre, partial, T, C, x.stride(0), x.stride(1), nt,
                 KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
-            _short_conv_dx_kernel[grid](dpre, w, posarg, dx, T, C, x_dtype=_TL_DTYPES[x.dtype],
+            _short_conv_dx_kernel[grid](dpre, w, posarg, dx, T, C,
                                         KS=ks, HAS_POS=pos is not None, BT=bt, BC=bc, num_warps=warps)
         dw = partial.sum(0).t().reshape(ctx.weight_shape).to(ctx.weight_dtype)
         return dx, dw, None
