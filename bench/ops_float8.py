@@ -8,7 +8,8 @@ it, against torchao's ``Float8Linear`` with each ``--recipes`` scaling (``tensor
 ``rowwise_with_gw_hp``); both compiled with ``torch.compile`` (float8's scaling and casts fused, as
 torchao requires for speed). The per-step total (each shape's time x its count per step) says how much
 of the step's GEMM time float8 could take off, casts and scales included; a second total keeps the
-shapes ``train.float8`` leaves in bf16 (the head, the low-rank gate ups) at their bf16 time. Each float8 output is checked against the bf16 one (relative error of y, dx, dW).
+shapes ``train.float8`` leaves in bf16 (the head, the low-rank gate ups) at their bf16 time. Each
+float8 output is checked against the bf16 one (relative error of y, dx, dW).
 
 Prints a table and writes JSON to $OUT/ops_float8_<config>.json (./bench_out when OUT is unset).
 
@@ -30,10 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def kept_in_bf16(config) -> set:
-    """The shapes ``train.float8`` leaves in bf16: the head and the GDN-2 gates' low-rank ups."""
-    c = config
-    return {(c.n_embd, c.vocab_size), (c.gdn2_gate_rank, c.gdn2_key_dim), (c.gdn2_gate_rank, c.gdn2_value_dim)}
+def kept_in_bf16(config, spec) -> set:
+    """The (in, out) shapes ``train.float8`` leaves in bf16, read off the model: the projections
+    :meth:`gdn2.model.GPT.set_float8` does not mark (the head, the GDN-2 gates' low-rank ups)."""
+    from gdn2.layers.init import Linear
+    from gdn2.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    model.set_float8(spec)
+    return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear) and m.float8 is None}
 
 
 def step_gemms(config, tokens: int) -> Counter:
@@ -73,6 +80,7 @@ def main() -> None:
         raise SystemExit("bench/ops_float8.py: torchao is not installed (pip install torchao)") from None
     import triton.testing
 
+    from gdn2.layers.float8 import float8_spec
     from gdn2.train.recipe import load_recipe
 
     config = load_recipe(args.config).model
@@ -84,6 +92,7 @@ def main() -> None:
           f"{len(shapes)} shapes; {report['device']}, torch {torch.__version__}, torchao {torchao.__version__}",
           flush=True)
     totals = Counter()
+    kept = {r: kept_in_bf16(config, float8_spec(r)) for r in args.recipes}
     for (k, n), count in sorted(shapes.items()):
         torch.manual_seed(0)
         x = torch.randn(args.tokens, k, device=dev, dtype=torch.bfloat16)  # a norm's output, as in the model
@@ -117,7 +126,7 @@ def main() -> None:
             totals[name] += ms * count
         for name in variants:
             if name != "bf16" and name in row["ms"]:
-                as_run = "bf16" if (k, n) in kept_in_bf16(config) else name
+                as_run = "bf16" if (k, n) in kept[name] else name
                 totals[f"{name}, as train.float8 runs it"] += row["ms"][as_run] * count
         for name in results:
             if name == "bf16":

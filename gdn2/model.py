@@ -43,7 +43,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both."""
-        gate, up = project(x, (self.w1, self.w2), self.grouped_projections) if fused_in is None else F.linear(x, fused_in).chunk(2, dim=-1)
+        if fused_in is None:
+            gate, up = project(x, (self.w1, self.w2), self.grouped_projections)
+        else:
+            gate, up = F.linear(x, fused_in).chunk(2, dim=-1)
         return self.w3(swiglu(gate, up))
 
 

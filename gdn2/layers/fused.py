@@ -2,9 +2,10 @@
 
 Each function here is the one definition of its stage (norms, gates, SwiGLU, RoPE; the short
 convolution's is its operator's oracle, ``gdn2.ops.short_conv``); the layers call them. Eagerly, each
-is a handful of PyTorch kernels, several of them fp32 passes over activation-sized tensors. With :func:`set_compiled` on (the trainer's ``train.compile``), calls on
-CUDA tensors go through ``torch.compile``'d twins instead: the forward and the backward of each stage
-become one or two fused kernels. The values are the same up to fp32 rounding order.
+is a handful of PyTorch kernels, several of them fp32 passes over activation-sized tensors. With
+:func:`set_compiled` on (the trainer's ``train.compile``), calls on CUDA tensors go through
+``torch.compile``'d twins instead: the forward and the backward of each stage become one or two fused
+kernels. The values are the same up to fp32 rounding order.
 
 The compiled twins are made lazily per function; calls made while an outer ``torch.compile`` is
 tracing (the compiled decode step) use the plain function, which the outer compile then fuses itself,

@@ -5,8 +5,8 @@ Only the input is saved. The backward runs in two passes: the first recomputes t
 writes its gradient in fp32 and, per program, the weight gradient's partial sums over its rows (one
 torch reduction adds them up); the second makes dx from ``ks`` shifted reads of that gradient. (One
 kernel that recomputed the pre-activation at the ``ks`` rows each input feeds, writing nothing in
-between, took 2.3x as long on an H200.) Both accumulate in fp32; the taps are rounded to x's dtype first, as a
-convolution in that dtype would. x may be a slice of a wider tensor (its rows strided), as the GDN-2
+between, took 2.3x as long on an H200.) Both accumulate in fp32; the taps are rounded to x's dtype
+first, as a convolution in that dtype would. x may be a slice of a wider tensor (its rows strided), as the GDN-2
 layer's q, k and v are of the grouped input projection.
 """
 
