@@ -36,15 +36,22 @@ class Float8Spec:
     mm: Any
 
 
+def require_torchao() -> None:
+    """ValueError naming ``train.float8`` when torchao is not installed (checked without importing it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("train.float8 needs torchao: pip install 'gdn2[float8]' (or pip install torchao)")
+
+
 def float8_spec(recipe: str, emulate: bool = False) -> Float8Spec:
     """The spec of a recipe in :data:`RECIPES`. ``emulate``: torchao's float8 emulation in ordinary
     matmuls (any device, slow; for checking values on a machine without float8 GEMMs)."""
     if recipe not in RECIPES:
         raise ValueError(f"train.float8: must be one of {', '.join(RECIPES)} or null, got {recipe!r}")
-    try:
-        from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
-    except ImportError:
-        raise ValueError("train.float8 needs torchao: pip install 'gdn2[float8]' (or pip install torchao)") from None
+    require_torchao()
+    from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
+
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
     mm = LinearMMConfig(*(ScaledMMConfig(emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
                           for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
