@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention
 from gdn2.layers.decoding import DecodeContext
-from gdn2.layers.fused import project, swiglu
+from gdn2.layers.fused import grouped_linear, swiglu, swiglu_joined
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
 from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.loss import cross_entropy_fp32, linear_cross_entropy
@@ -43,11 +43,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both."""
-        if fused_in is None:
-            gate, up = project(x, (self.w1, self.w2), self.grouped_projections)
+        if fused_in is not None:
+            h = swiglu_joined(F.linear(x, fused_in))
+        elif self.grouped_projections:
+            h = swiglu_joined(grouped_linear(x, (self.w1, self.w2)))
         else:
-            gate, up = F.linear(x, fused_in).chunk(2, dim=-1)
-        return self.w3(swiglu(gate, up))
+            h = swiglu(self.w1(x), self.w2(x))
+        return self.w3(h)
 
 
 class Block(nn.Module):

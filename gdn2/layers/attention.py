@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from gdn2.config import Config
 from gdn2.layers.decoding import DecodeContext, ring_decode_attention
-from gdn2.layers.fused import apply_rope
+from gdn2.layers.fused import rope_qkv
 from gdn2.layers.init import Linear
 from gdn2.ops import sliding_window_attention, sliding_window_attention_reference
 
@@ -114,10 +114,8 @@ class CausalSelfAttention(nn.Module):
             o = ring_decode_attention(qkv.reshape(B, -1), step.cos, step.sin, cache.k, cache.v, cache.positions,
                                       step.slot, step.column, step.visible, H)
             return self.proj(o.reshape(B, 1, H * D))
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         cos, sin = rope_tables(positions, D, self.rope_base)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rope_qkv(qkv, cos, sin, H, Hkv)
         if packed is not None:
             if cache is None or cu_seqlens is None:
                 raise ValueError("packed prompts need cu_seqlens and a cache to fill")

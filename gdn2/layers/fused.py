@@ -66,6 +66,51 @@ def _stacked(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
     return out
 
 
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dy^T x`` over all leading axes ([out, in]: a linear's weight gradient) in ``dtype``: on CUDA
+    with bf16 / fp16 operands and an fp32 ``dtype``, written in fp32 by the GEMM itself (cuBLAS
+    accumulates in fp32 either way), so neither a rounding to bf16 nor a cast pass comes between the
+    GEMM and the fp32 gradient; elsewhere the GEMM in the operands' dtype, then cast."""
+    a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """``F.linear`` in autocast's dtype, as autocast runs it (the weight and bias cast, the cast weight
+    saved), except that the weight and bias gradients come out in the parameters' dtype straight from
+    their reductions (:func:`weight_grad`) instead of through a cast of a bf16 gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
+        x, w = x.to(dtype), weight.to(dtype)
+        ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, w, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.param_dtypes
+        dy = dy.to(w.dtype)
+        dx = dy @ w if ctx.needs_input_grad[0] else None
+        dw = weight_grad(dy, x, w_dtype) if ctx.needs_input_grad[1] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=b_dtype) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; under autocast, with gradients requested, through
+    :class:`_AutocastLinear` (the same values; the parameters' gradients made in their own dtype)."""
+    if (not torch.is_autocast_enabled(x.device.type) or compute_dtype(x) == weight.dtype
+            or not torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    return _AutocastLinear.apply(x, weight, bias, compute_dtype(x))
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``x @ cat(weights).T``: one GEMM forward, one for dx and one for all dW. The weights are saved
     as themselves, not as their concatenation, so FSDP still frees them between forward and backward;
@@ -90,18 +135,15 @@ class _GroupedLinear(torch.autograd.Function):
             dx = dy @ _stacked(weights, ctx.dtype)
         dws: list = [None] * len(weights)
         if any(ctx.needs_input_grad[1:]):
-            dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            dw = weight_grad(dy, x, weights[0].dtype)
             dws = [g.to(w.dtype) for g, w in zip(dw.split([w.shape[0] for w in weights]), weights)]
         return (dx, *dws)
 
 
-def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) -> list[torch.Tensor]:
-    """``[lin(x) for lin in linears]`` (bias-free linears); with ``grouped``, as one GEMM over the
-    stacked weights whose output is split into views (the layers' ``grouped_projections``), a float8
-    one where the first linear's ``float8`` spec is set (all of a group read the same input, so
-    :meth:`gdn2.model.GPT.set_float8` marks all or none)."""
-    if not grouped or len(linears) == 1:
-        return [lin(x) for lin in linears]
+def grouped_linear(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """``cat([lin(x) for lin in linears], -1)`` (bias-free linears) as one GEMM over their stacked
+    weights, a float8 one where the first linear's ``float8`` spec is set (all of a group read the same
+    input, so :meth:`gdn2.model.GPT.set_float8` marks all or none)."""
     if any(lin.bias is not None for lin in linears):
         raise ValueError("grouped projections take bias-free linears")
     weights = [lin.weight for lin in linears]
@@ -109,10 +151,16 @@ def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) 
     if spec is not None:
         from gdn2.layers.float8 import float8_linear
 
-        y = float8_linear(x, tuple(weights), None, spec, compute_dtype(x))
-    else:
-        y = _GroupedLinear.apply(x, *weights)
-    return list(y.split([w.shape[0] for w in weights], dim=-1))
+        return float8_linear(x, tuple(weights), None, spec, compute_dtype(x))
+    return _GroupedLinear.apply(x, *weights)
+
+
+def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]``; with ``grouped`` (bias-free linears, the layers'
+    ``grouped_projections``), :func:`grouped_linear`'s output split into views."""
+    if not grouped or len(linears) == 1:
+        return [lin(x) for lin in linears]
+    return list(grouped_linear(x, linears).split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 def fusable(fn: FnT) -> FnT:
@@ -188,6 +236,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @fusable
+def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
+    """``swiglu(gate, up)`` of one tensor whose last axis is gate then up (the MLP's grouped
+    projection): compiled, its backward writes that tensor's gradient whole, with no concatenation of
+    two halves."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu.eager(gate, up)
+
+
+@fusable
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B,T,H,D]; cos, sin: [T,D]. Rotate-half RoPE computed in fp32, returned in x's dtype."""
     xf = x.float() if x.dtype != torch.float64 else x
@@ -195,3 +252,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@fusable
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B,T,n_head,D], k and v [B,T,n_kv,D] from the attention's joint projection qkv
+    [B,T,(n_head + 2 n_kv) D]: q and k rotated (:func:`apply_rope`), v a dense copy. Compiled, one
+    pass writes all three and one pass of the backward writes qkv's gradient whole (no concatenation
+    of three gradients, no copy of v inside the attention operator)."""
+    B, T, C = qkv.shape
+    D = C // (n_head + 2 * n_kv)
+    q, k, v = qkv.split([n_head * D, n_kv * D, n_kv * D], dim=-1)
+    q = apply_rope.eager(q.reshape(B, T, n_head, D), cos, sin)
+    k = apply_rope.eager(k.reshape(B, T, n_kv, D), cos, sin)
+    return q, k, v.reshape(B, T, n_kv, D).contiguous()

@@ -71,8 +71,11 @@ def _stage_cases():
                                           torch.randn(B, T, H * D, **f32), torch.randn(H, **f32),
                                           torch.randn(H * D, **f32)], [D, 2.0]),
         "swiglu": (fused.swiglu, [torch.randn(B, T, C, **f32), torch.randn(B, T, C, **f32)], []),
+        "swiglu_joined": (fused.swiglu_joined, [torch.randn(B, T, 2 * C, **f32)], []),
         "apply_rope": (fused.apply_rope, [torch.randn(B, T, H, D, **f32), torch.randn(T, D, **f32),
                                           torch.randn(T, D, **f32)], []),
+        "rope_qkv": (fused.rope_qkv, [torch.randn(B, T, (H + 2) * D, **f32), torch.randn(T, D, **f32),
+                                      torch.randn(T, D, **f32)], [H, 1]),
     }
 
 
@@ -130,6 +133,60 @@ def test_norm_under_autocast_returns_the_matmul_dtype_with_the_cast_values_and_g
     assert torch.equal(m, fused.rms_norm(x, norm.weight, norm.eps).to(torch.bfloat16))
     (ref.to(torch.bfloat16).float() * up).sum().backward()
     assert torch.equal(got, x.grad)
+
+
+def test_joined_stages_are_the_split_stages():
+    """``swiglu_joined`` is swiglu of the two halves; ``rope_qkv`` rotates q and k as ``apply_rope``
+    does and hands over dense q, k, v (the attention operator then copies none of them)."""
+    torch.manual_seed(4)
+    y = torch.randn(2, 3, 16)
+    torch.testing.assert_close(fused.swiglu_joined(y), fused.swiglu(y[..., :8], y[..., 8:]), rtol=0, atol=0)
+    B, T, H, Hkv, D = 2, 5, 4, 2, 8
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D)
+    cos, sin = torch.randn(T, D), torch.randn(T, D)
+    q, k, v = fused.rope_qkv(qkv, cos, sin, H, Hkv)
+    q_ref, k_ref, v_ref = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    assert torch.equal(q, fused.apply_rope(q_ref.reshape(B, T, H, D), cos, sin))
+    assert torch.equal(k, fused.apply_rope(k_ref.reshape(B, T, Hkv, D), cos, sin))
+    assert torch.equal(v, v_ref.reshape(B, T, Hkv, D))
+    assert all(t.is_contiguous() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_under_autocast_is_autocasts_linear_with_gradients_in_the_parameters_dtype(bias):
+    """The model's linears under bf16 autocast: the output and input gradient of autocast's own
+    ``F.linear``, bit for bit; the weight and bias gradients fp32, the weight's the same GEMM's values
+    (on the CPU it still runs in bf16; on CUDA the GEMM writes fp32: ``test_weight_grad_on_cuda...``),
+    the bias's summed in fp32."""
+    from gdn2.layers.init import Linear
+
+    torch.manual_seed(5)
+    lin = Linear(24, 40, bias=bias)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    up = torch.randn(3, 7, 40)
+
+    def run(forward):
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = forward(x)
+        (y.float() * up).sum().backward()
+        return y, x.grad, lin.weight.grad, None if lin.bias is None else lin.bias.grad
+
+    y, dx, dw, db = run(lin)
+    assert type(y.grad_fn).__name__ == "_AutocastLinearBackward"
+    y_ref, dx_ref, dw_ref, db_ref = run(lambda t: F.linear(t, lin.weight, lin.bias))
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert dw.dtype == torch.float32 and torch.equal(dw, dw_ref)
+    if bias:
+        exact = (up.to(torch.bfloat16).float()).reshape(-1, 40).sum(0)  # dy is up, rounded to bf16
+        assert db.dtype == torch.float32
+        assert (db - exact).abs().max() <= (db_ref - exact).abs().max() + 1e-6
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lin(x), y_ref)  # without gradients: autocast's linear itself
 
 
 def test_switch_leaves_cpu_calls_eager():
@@ -231,3 +288,52 @@ def test_model_with_grouped_projections_matches_separate(name):
     torch.testing.assert_close(loss_g, loss_s, rtol=1e-12, atol=1e-12)
     for n, g in grads_s.items():
         torch.testing.assert_close(grads_g[n], g, rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+def test_weight_grad_on_cuda_is_the_fp32_product_of_bf16_operands():
+    """On CUDA the GEMM writes the fp32 weight gradient itself: as close to the float64 product of the
+    bf16 operands as fp32 accumulation allows, and closer than the bf16 result autocast casts up."""
+    torch.manual_seed(6)
+    dy = torch.randn(4, 1024, 384, device="cuda").to(torch.bfloat16)
+    x = torch.randn(4, 1024, 256, device="cuda").to(torch.bfloat16)
+    exact = dy.double().reshape(-1, 384).t() @ x.double().reshape(-1, 256)
+    got = fused.weight_grad(dy, x, torch.float32)
+    assert got.dtype == torch.float32
+    err = (got.double() - exact).abs().max().item()
+    err_bf16 = ((dy.reshape(-1, 384).t() @ x.reshape(-1, 256)).double() - exact).abs().max().item()
+    assert err <= 1e-4 * exact.abs().max().item() and err < err_bf16 / 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["swa_gdn2_tiny", "transformer_tiny"])
+def test_model_with_inductor_stages_on_cuda_matches_eager(name):
+    """The tiny models on CUDA under bf16 autocast, grouped projections on, every stage compiled by
+    inductor (what ``train.compile`` runs): the eager loss and gradients within bf16 rounding."""
+    from gdn2.config import Config
+    from gdn2.model import GPT
+
+    torch.manual_seed(7)
+    model = GPT(Config.from_name(name)).cuda().train()
+    model.set_grouped_projections(True)
+    idx = torch.randint(0, model.config.vocab_size, (2, 257), device="cuda")
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_e, grads_e = loss_and_grads()
+    torch._dynamo.reset()
+    fused.set_compiled(True)
+    try:
+        loss_c, grads_c = loss_and_grads()
+    finally:
+        fused.set_compiled(False)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=1e-2)
+    for n, g in grads_e.items():
+        cos = F.cosine_similarity(grads_c[n].flatten().double(), g.flatten().double(), dim=0).item()
+        assert cos > 0.99, f"{n}: gradient cosine {cos:.4f}"
