@@ -22,6 +22,10 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.nn.functional as F
 
+from gdn2.ops import pointwise
+from gdn2.ops.backend import select_backend
+from gdn2.ops.checks import TRITON_DTYPES
+from gdn2.ops.pointwise.naive import apply_rope_reference, rope_qkv_reference, swiglu_joined_reference
 from gdn2.ops.short_conv.naive import short_conv_silu_reference
 
 _compiled_enabled = False
@@ -235,35 +239,34 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@fusable
-def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
-    """``swiglu(gate, up)`` of one tensor whose last axis is gate then up (the MLP's grouped
-    projection): compiled, its backward writes that tensor's gradient whole, with no concatenation of
-    two halves."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return swiglu.eager(gate, up)
+# RoPE and the joined SwiGLU: their definitions are their operators' oracles (``gdn2.ops.pointwise``);
+# these are the compiled torch paths, the Triton kernels run where that operator's backend is Triton
+apply_rope = fusable(apply_rope_reference)
+rope_qkv_stage = fusable(rope_qkv_reference)
+swiglu_joined_stage = fusable(swiglu_joined_reference)
 
 
-@fusable
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B,T,H,D]; cos, sin: [T,D]. Rotate-half RoPE computed in fp32, returned in x's dtype."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    cos, sin = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
-    return (xf * cos + rotated * sin).to(x.dtype)
+def _pointwise_kernels(x: torch.Tensor) -> bool:
+    """Whether the row-wise stages run as ``gdn2.ops.pointwise``'s Triton kernels for x (CUDA by
+    default) rather than as compiled torch code; never inside an outer compile's trace or a CUDA graph
+    capture (the decode step), where the torch form is what gets fused or captured."""
+    return (x.numel() > 0 and x.dtype in TRITON_DTYPES and not torch.compiler.is_compiling()
+            and select_backend("pointwise", x.device) == "triton"
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
-@fusable
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B,T,n_head,D], k and v [B,T,n_kv,D] from the attention's joint projection qkv
-    [B,T,(n_head + 2 n_kv) D]: q and k rotated (:func:`apply_rope`), v a dense copy. Compiled, one
-    pass writes all three and one pass of the backward writes qkv's gradient whole (no concatenation
-    of three gradients, no copy of v inside the attention operator)."""
-    B, T, C = qkv.shape
-    D = C // (n_head + 2 * n_kv)
-    q, k, v = qkv.split([n_head * D, n_kv * D, n_kv * D], dim=-1)
-    q = apply_rope.eager(q.reshape(B, T, n_head, D), cos, sin)
-    k = apply_rope.eager(k.reshape(B, T, n_kv, D), cos, sin)
-    return q, k, v.reshape(B, T, n_kv, D).contiguous()
+    """Dense q [B,T,n_head,D], k, v [B,T,n_kv,D] from the attention's joint projection, q and k rotated
+    (``gdn2.ops.pointwise.rope_qkv``): its backward writes the joint gradient whole."""
+    if _pointwise_kernels(qkv):
+        return pointwise.rope_qkv(qkv, cos, sin, n_head, n_kv, backend="triton")
+    return rope_qkv_stage(qkv, cos, sin, n_head, n_kv)
+
+
+def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the MLP's joint projection [..., 2F] (``gdn2.ops.pointwise.swiglu_joined``):
+    its backward writes the joint gradient whole."""
+    if _pointwise_kernels(gate_up):
+        return pointwise.swiglu_joined(gate_up, backend="triton")
+    return swiglu_joined_stage(gate_up)

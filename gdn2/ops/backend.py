@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 BACKENDS = ("triton", "torch", "flash")
-OPERATORS = ("gdn2", "swa", "decode_attention", "short_conv")
+OPERATORS = ("gdn2", "swa", "decode_attention", "short_conv", "pointwise")
 FLASH_OPERATORS = ("swa",)
 
 

@@ -71,10 +71,10 @@ def _stage_cases():
                                           torch.randn(B, T, H * D, **f32), torch.randn(H, **f32),
                                           torch.randn(H * D, **f32)], [D, 2.0]),
         "swiglu": (fused.swiglu, [torch.randn(B, T, C, **f32), torch.randn(B, T, C, **f32)], []),
-        "swiglu_joined": (fused.swiglu_joined, [torch.randn(B, T, 2 * C, **f32)], []),
+        "swiglu_joined": (fused.swiglu_joined_stage, [torch.randn(B, T, 2 * C, **f32)], []),
         "apply_rope": (fused.apply_rope, [torch.randn(B, T, H, D, **f32), torch.randn(T, D, **f32),
                                           torch.randn(T, D, **f32)], []),
-        "rope_qkv": (fused.rope_qkv, [torch.randn(B, T, (H + 2) * D, **f32), torch.randn(T, D, **f32),
+        "rope_qkv": (fused.rope_qkv_stage, [torch.randn(B, T, (H + 2) * D, **f32), torch.randn(T, D, **f32),
                                       torch.randn(T, D, **f32)], [H, 1]),
     }
 
@@ -133,23 +133,6 @@ def test_norm_under_autocast_returns_the_matmul_dtype_with_the_cast_values_and_g
     assert torch.equal(m, fused.rms_norm(x, norm.weight, norm.eps).to(torch.bfloat16))
     (ref.to(torch.bfloat16).float() * up).sum().backward()
     assert torch.equal(got, x.grad)
-
-
-def test_joined_stages_are_the_split_stages():
-    """``swiglu_joined`` is swiglu of the two halves; ``rope_qkv`` rotates q and k as ``apply_rope``
-    does and hands over dense q, k, v (the attention operator then copies none of them)."""
-    torch.manual_seed(4)
-    y = torch.randn(2, 3, 16)
-    torch.testing.assert_close(fused.swiglu_joined(y), fused.swiglu(y[..., :8], y[..., 8:]), rtol=0, atol=0)
-    B, T, H, Hkv, D = 2, 5, 4, 2, 8
-    qkv = torch.randn(B, T, (H + 2 * Hkv) * D)
-    cos, sin = torch.randn(T, D), torch.randn(T, D)
-    q, k, v = fused.rope_qkv(qkv, cos, sin, H, Hkv)
-    q_ref, k_ref, v_ref = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-    assert torch.equal(q, fused.apply_rope(q_ref.reshape(B, T, H, D), cos, sin))
-    assert torch.equal(k, fused.apply_rope(k_ref.reshape(B, T, Hkv, D), cos, sin))
-    assert torch.equal(v, v_ref.reshape(B, T, Hkv, D))
-    assert all(t.is_contiguous() for t in (q, k, v))
 
 
 @pytest.mark.parametrize("bias", [False, True])
