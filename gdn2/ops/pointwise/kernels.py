@@ -1,7 +1,8 @@
 """Triton kernels of the row-wise stages and their autograd functions.
 
 RoPE: one launch per segment of the joint projection (q, k: rotated; v: copied), one program per
-``ROPE_ROWS`` rows of one head, the two halves of the head loaded side by side; the backward applies
+``ROPE_ROWS`` rows going through the segment's heads, the two halves of a head loaded side by side
+and the tables' rows loaded once per program (per head they would cost four times the data's bytes); the backward applies
 the inverse rotation and writes each segment's gradient straight into its columns of the joint
 gradient. SwiGLU: one program per ``SWIGLU_TILE`` (rows, columns) of the output; the backward reads
 gate, up and the output gradient once and writes both halves of the joint gradient. All arithmetic in
@@ -14,52 +15,55 @@ import torch
 import triton
 import triton.language as tl
 
-ROPE_ROWS, ROPE_WARPS = 32, 4
+ROPE_ROWS, ROPE_WARPS = 16, 4
 SWIGLU_TILE = (16, 256, 4)  # rows, columns, warps
 
 
 @triton.jit
-def _rope_segment_kernel(src, dst, cos, sin, T, s_src_b, s_src_t, s_dst_b, s_dst_t,
+def _rope_segment_kernel(src, dst, cos, sin, T, heads, s_src_b, s_src_t, s_dst_b, s_dst_t,
                          D: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
                          ROTATE: tl.constexpr, INVERSE: tl.constexpr):
-    """Head ``program_id(1)`` of rows ``program_id(0)`` of batch row ``program_id(2)``: its D channels
-    start at column head * D of src and of dst. ROTATE: y = x cos + rotate_half(x) sin (INVERSE: the
-    transpose of that map, the gradient's); else a copy."""
-    it, ih, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """Rows ``program_id(0)`` of batch row ``program_id(1)``, every head of the segment in turn (the
+    tables' rows loaded once for all of them): head h's D channels start at column h * D of src and
+    of dst. ROTATE: y = x cos + rotate_half(x) sin (INVERSE: the transpose of that map, the
+    gradient's); else a copy."""
+    it, ib = tl.program_id(0), tl.program_id(1).to(tl.int64)
     HALF: tl.constexpr = D // 2
     t = it * BT + tl.arange(0, BT)
     j = tl.arange(0, BH)
     m = (t < T)[:, None] & (j < HALF)[None, :]
     rows = t.to(tl.int64)[:, None]
-    sp = src + ib * s_src_b + rows * s_src_t + ih * D + j[None, :]
-    x1 = tl.load(sp, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(sp + HALF, mask=m, other=0.0).to(tl.float32)
     if ROTATE:
         tp = rows * D + j[None, :]
         c1 = tl.load(cos + tp, mask=m, other=0.0)
         c2 = tl.load(cos + tp + HALF, mask=m, other=0.0)
         s1 = tl.load(sin + tp, mask=m, other=0.0)
         s2 = tl.load(sin + tp + HALF, mask=m, other=0.0)
-        if INVERSE:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
+    sp = src + ib * s_src_b + rows * s_src_t + j[None, :]
+    dp = dst + ib * s_dst_b + rows * s_dst_t + j[None, :]
+    for h in range(heads):
+        x1 = tl.load(sp + h * D, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(sp + h * D + HALF, mask=m, other=0.0).to(tl.float32)
+        if ROTATE:
+            if INVERSE:
+                y1 = x1 * c1 + x2 * s2
+                y2 = x2 * c2 - x1 * s1
+            else:
+                y1 = x1 * c1 - x2 * s1
+                y2 = x2 * c2 + x1 * s2
         else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
-    else:
-        y1 = x1
-        y2 = x2
-    dp = dst + ib * s_dst_b + rows * s_dst_t + ih * D + j[None, :]
-    tl.store(dp, y1.to(dst.dtype.element_ty), mask=m)
-    tl.store(dp + HALF, y2.to(dst.dtype.element_ty), mask=m)
+            y1 = x1
+            y2 = x2
+        tl.store(dp + h * D, y1.to(dst.dtype.element_ty), mask=m)
+        tl.store(dp + h * D + HALF, y2.to(dst.dtype.element_ty), mask=m)
 
 
 def _rope_segment(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                   D: int, rotate: bool, inverse: bool) -> None:
     """src, dst: [B, T, >= heads * D] views whose channels are contiguous (rows may be strided)."""
     B, T = src.shape[:2]
-    _rope_segment_kernel[(triton.cdiv(T, ROPE_ROWS), heads, B)](
-        src, dst, cos, sin, T, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+    _rope_segment_kernel[(triton.cdiv(T, ROPE_ROWS), B)](
+        src, dst, cos, sin, T, heads, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         D=D, BH=triton.next_power_of_2(D // 2), BT=ROPE_ROWS, ROTATE=rotate, INVERSE=inverse,
         num_warps=ROPE_WARPS)
 
