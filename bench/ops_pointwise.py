@@ -8,8 +8,10 @@ At the training shapes of the 1.3B configs (micro-batch 4 x 4096 tokens, bf16): 
 (18 + 2 x 18 heads of 128), gate | up [4, 4096, 13568].
 1. accuracy of the kernels against the float64 oracles (outputs and the joint gradient), relative to
    each reference's largest value;
-2. forward and forward + backward times (``triton.testing.do_bench`` medians), and the memory floor
-   (each input read once, each output written once) at the measured copy bandwidth.
+2. forward and forward + backward times: the GPU time of the kernels (torch.profiler), as a training
+   step pays it, and the wall time per call (``triton.testing.do_bench`` medians, which at these sizes
+   include the host's launch overhead); the memory floor (each input read once, each output written
+   once) at the measured copy bandwidth.
 
 Prints a table and writes JSON to $OUT/ops_pointwise.json (./bench_out when OUT is unset).
 
@@ -35,19 +37,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _time(fn, inputs, grads) -> dict:
-    """Forward alone (no grad) and forward + backward against fixed output gradients."""
+    """Forward alone (no grad) and forward + backward against fixed output gradients: the GPU time of
+    their kernels (torch.profiler; what a training step pays, the host running ahead) and the wall time
+    of one call (``do_bench``; for launches this small it includes the host's launch overhead)."""
     import triton.testing
 
-    with torch.no_grad():
-        fwd = triton.testing.do_bench(fn, warmup=25, rep=100)
+    from profiling import kernel_times
+
+    def fwd():
+        with torch.no_grad():
+            return fn()
 
     def both():
+        for t in inputs:
+            t.grad = None
         outs = fn()
         outs = outs if isinstance(outs, tuple) else (outs,)
         torch.autograd.backward(outs, grads, inputs=inputs)
 
-    return {"forward": fwd, "forward_backward": triton.testing.do_bench(both, warmup=25, rep=100,
-                                                                         grad_to_none=inputs)}
+    return {"forward": sum(ms for _, ms, _ in kernel_times(fwd, reps=20)),
+            "forward_backward": sum(ms for _, ms, _ in kernel_times(both, reps=20)),
+            "wall_forward": triton.testing.do_bench(fwd, warmup=25, rep=100),
+            "wall_forward_backward": triton.testing.do_bench(both, warmup=25, rep=100)}
 
 
 def main() -> None:
@@ -131,16 +142,17 @@ def main() -> None:
                           for k, (f, fb) in floors.items()}
 
     print(f"\nrow-wise stages, {B} x {T} tokens, bf16, {report['device']}")
-    print("| stage | variant | forward ms | forward + backward ms | fwd + bwd vs split form |")
-    print("|---|---|---|---|---|")
+    print("| stage | variant | kernel ms forward | kernel ms fwd + bwd | fwd + bwd vs split form | "
+          "wall ms forward | wall ms fwd + bwd |")
+    print("|---|---|---|---|---|---|---|")
     for stage, times in report["times_ms"].items():
         base = times["split form, compiled"]["forward_backward"]
         for name, t in times.items():
             print(f"| {stage} | {name} | {t['forward']:.3f} | {t['forward_backward']:.3f} | "
-                  f"{t['forward_backward'] / base:.2f}x |")
+                  f"{t['forward_backward'] / base:.2f}x | {t['wall_forward']:.3f} | {t['wall_forward_backward']:.3f} |")
         f = report["floor_ms"][stage]
         print(f"| {stage} | memory floor ({report['copy_bandwidth_TBps']:.2f} TB/s) | {f['forward']:.3f} | "
-              f"{f['forward_backward']:.3f} | |")
+              f"{f['forward_backward']:.3f} | | | |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ops_pointwise.json").write_text(json.dumps(report, indent=1))
