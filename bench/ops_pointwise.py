@@ -21,7 +21,6 @@ Prints a table and writes JSON to $OUT/ops_pointwise.json (./bench_out when OUT 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -74,6 +73,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark needs a GPU")
     import triton.testing
+    from profiling import write_report
 
     from gdn2.layers import fused
     from gdn2.layers.attention import rope_tables
@@ -153,10 +153,7 @@ def main() -> None:
         f = report["floor_ms"][stage]
         print(f"| {stage} | memory floor ({report['copy_bandwidth_TBps']:.2f} TB/s) | {f['forward']:.3f} | "
               f"{f['forward_backward']:.3f} | | | |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ops_pointwise.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'ops_pointwise.json'}")
+    write_report(args.out, "ops_pointwise.json", report)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,17 @@ def kernel_times(fn: Callable[[], object], reps: int = 5, warm: bool = True) -> 
     return sorted(rows, key=lambda r: -r[1])
 
 
+def write_report(out: str, name: str, report: dict) -> None:
+    """``report`` as JSON to ``out``/``name`` (the folder made if missing), and a line saying where."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
 COPY_OPS = ("aten::copy_", "aten::cat")
 
 

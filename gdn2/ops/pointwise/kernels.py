@@ -112,7 +112,8 @@ def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_h
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gu, h, R, F, s_gu, BR: tl.constexpr, BF: tl.constexpr):
+def _gate_up_tile(gu, R, F, s_gu, BR: tl.constexpr, BF: tl.constexpr):
+    """This program's (rows, columns) tile: row offsets, columns, mask, and gate and up in fp32."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BF + tl.arange(0, BF)
     m = (r < R)[:, None] & (c < F)[None, :]
@@ -120,18 +121,18 @@ def _swiglu_fwd_kernel(gu, h, R, F, s_gu, BR: tl.constexpr, BF: tl.constexpr):
     p = gu + rows * s_gu + c[None, :]
     g = tl.load(p, mask=m, other=0.0).to(tl.float32)
     u = tl.load(p + F, mask=m, other=0.0).to(tl.float32)
+    return rows, c, m, g, u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(gu, h, R, F, s_gu, BR: tl.constexpr, BF: tl.constexpr):
+    rows, c, m, g, u = _gate_up_tile(gu, R, F, s_gu, BR, BF)
     tl.store(h + rows * F + c[None, :], (g * tl.sigmoid(g) * u).to(h.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(gu, dh, dgu, R, F, s_gu, BR: tl.constexpr, BF: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.program_id(1) * BF + tl.arange(0, BF)
-    m = (r < R)[:, None] & (c < F)[None, :]
-    rows = r.to(tl.int64)[:, None]
-    p = gu + rows * s_gu + c[None, :]
-    g = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(p + F, mask=m, other=0.0).to(tl.float32)
+    rows, c, m, g, u = _gate_up_tile(gu, R, F, s_gu, BR, BF)
     d = tl.load(dh + rows * F + c[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     q = dgu + rows * (2 * F) + c[None, :]
