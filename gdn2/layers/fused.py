@@ -1,7 +1,8 @@
 """The model's elementwise stages as plain tensor functions, compiled into fused kernels on demand.
 
-Each function here is the one definition of its stage (norms, gates, SwiGLU, RoPE; the short
-convolution's is its operator's oracle, ``gdn2.ops.short_conv``); the layers call them. Eagerly, each
+Each function here is the one definition of its stage (norms, gates, SwiGLU on two tensors; the short
+convolution's, RoPE's and the joint SwiGLU's are their operators' oracles, ``gdn2.ops.short_conv`` and
+``gdn2.ops.pointwise``, whose Triton kernels the layers run on CUDA); the layers call them. Eagerly, each
 is a handful of PyTorch kernels, several of them fp32 passes over activation-sized tensors. With
 :func:`set_compiled` on (the trainer's ``train.compile``), calls on CUDA tensors go through
 ``torch.compile``'d twins instead: the forward and the backward of each stage become one or two fused
@@ -11,6 +12,9 @@ The compiled twins are made lazily per function; calls made while an outer ``tor
 tracing (the compiled decode step) use the plain function, which the outer compile then fuses itself,
 and so do calls during a CUDA graph capture (a first compile there would launch its autotuning runs
 into the graph).
+
+Here too: the projections' autocast path (:func:`linear`, fp32 weight gradients straight from the GEMM)
+and the grouped projections (:func:`grouped_linear`, :func:`project`).
 """
 
 from __future__ import annotations
