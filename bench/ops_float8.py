@@ -19,7 +19,6 @@ Prints a table and writes JSON to $OUT/ops_float8_<config>.json (./bench_out whe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import Counter
@@ -79,6 +78,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("bench/ops_float8.py: torchao is not installed (pip install torchao)") from None
     import triton.testing
+    from profiling import write_report
 
     from gdn2.layers.float8 import float8_spec
     from gdn2.train.recipe import load_recipe
@@ -132,7 +132,7 @@ def main() -> None:
             if name == "bf16":
                 continue
             row["rel_err"][name] = {t: ((a - b).norm() / b.norm()).item() for t, a, b in
-                                    zip(("y", "dx", "dW"), results[name], results["bf16"]) if a is not None}
+                                    zip(("y", "dx", "dW"), results[name], results["bf16"])}
         report["rows"].append(row)
         print(f"{k} -> {n} x{count}: " + ", ".join(f"{m} {v:.3f} ms" for m, v in row["ms"].items()) + "; "
               + "; ".join(f"{m} err " + "/".join(f"{e:.1e}" for e in errs.values())
@@ -142,11 +142,7 @@ def main() -> None:
     print("| variant | ms per micro-batch | vs bf16 |\n|---|---|---|")
     for name, ms in totals.items():
         print(f"| {name} | {ms:.1f} | {totals['bf16'] / ms:.2f}x |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ops_float8_{args.config}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    write_report(args.out, f"ops_float8_{args.config}.json", report)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,16 @@ def require_torchao() -> None:
         raise ValueError("train.float8 needs torchao: pip install 'gdn2[float8]' (or pip install torchao)")
 
 
+def check_recipe(recipe: str) -> None:
+    """ValueError naming ``train.float8`` unless ``recipe`` is one of :data:`RECIPES`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"train.float8: must be one of {', '.join(RECIPES)} or null, got {recipe!r}")
+
+
 def float8_spec(recipe: str, emulate: bool = False) -> Float8Spec:
     """The spec of a recipe in :data:`RECIPES`. ``emulate``: torchao's float8 emulation in ordinary
     matmuls (any device, slow; for checking values on a machine without float8 GEMMs)."""
-    if recipe not in RECIPES:
-        raise ValueError(f"train.float8: must be one of {', '.join(RECIPES)} or null, got {recipe!r}")
+    check_recipe(recipe)
     require_torchao()
     from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
 

@@ -59,6 +59,18 @@ def compiled_enabled() -> bool:
     return _compiled_enabled
 
 
+def _traced_or_captured(x: torch.Tensor) -> bool:
+    """Whether a call on x happens while an outer ``torch.compile`` traces or a CUDA graph captures
+    (the decode step): there the plain torch form is what gets fused or captured."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def runs_triton(op: str, x: torch.Tensor) -> bool:
+    """Whether operator ``op``'s Triton kernels take x: a dtype they take, and Triton the backend
+    ``gdn2.ops`` picks for x's device (CUDA by default)."""
+    return x.dtype in TRITON_DTYPES and select_backend(op, x.device) == "triton"
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device, else x's own."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -113,10 +125,11 @@ class _AutocastLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; under autocast, with gradients requested, through
     :class:`_AutocastLinear` (the same values; the parameters' gradients made in their own dtype)."""
-    if (not torch.is_autocast_enabled(x.device.type) or compute_dtype(x) == weight.dtype
-            or not torch.is_grad_enabled() or torch.compiler.is_compiling()):
+    dtype = compute_dtype(x)
+    if (not torch.is_autocast_enabled(x.device.type) or dtype == weight.dtype or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
-    return _AutocastLinear.apply(x, weight, bias, compute_dtype(x))
+    return _AutocastLinear.apply(x, weight, bias, dtype)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -178,8 +191,7 @@ def fusable(fn: FnT) -> FnT:
     @functools.wraps(fn)
     def call(*args, **kwargs):
         x = args[0]
-        if (_compiled_enabled and x.device.type in _devices and not torch.compiler.is_compiling()
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if _compiled_enabled and x.device.type in _devices and not _traced_or_captured(x):
             twin = _twins.get(fn)
             if twin is None:
                 twin = _twins[fn] = torch.compile(fn, backend=_backend)
@@ -253,10 +265,8 @@ swiglu_joined_stage = fusable(swiglu_joined_reference)
 def _pointwise_kernels(x: torch.Tensor) -> bool:
     """Whether the row-wise stages run as ``gdn2.ops.pointwise``'s Triton kernels for x (CUDA by
     default) rather than as compiled torch code; never inside an outer compile's trace or a CUDA graph
-    capture (the decode step), where the torch form is what gets fused or captured."""
-    return (x.numel() > 0 and x.dtype in TRITON_DTYPES and not torch.compiler.is_compiling()
-            and select_backend("pointwise", x.device) == "triton"
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    capture."""
+    return x.numel() > 0 and runs_triton("pointwise", x) and not _traced_or_captured(x)
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int

@@ -16,10 +16,9 @@ import torch.nn as nn
 
 from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
-from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project
+from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project, runs_triton
 from gdn2.layers.init import Linear
-from gdn2.ops import chunk_gdn2, select_backend, short_conv_silu
-from gdn2.ops.checks import TRITON_DTYPES
+from gdn2.ops import chunk_gdn2, short_conv_silu
 
 if TYPE_CHECKING:
     from gdn2.inference import FusedGDN2
@@ -86,7 +85,7 @@ def conv_from_start(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[
     """silu(short conv) of x [B,T,C] with nothing before it: the Triton kernel where the operator's
     backend is Triton (CUDA), else the (compiled) torch stage. The kernel saves only its input for the
     backward, where the compiled stage keeps more (1.6 GiB less at 4 x 4096 in the 1.3B hybrid)."""
-    if x.dtype in TRITON_DTYPES and select_backend("short_conv", x.device) == "triton":
+    if runs_triton("short_conv", x):
         return short_conv_silu(x, weight, pos_in_doc, backend="triton")
     return causal_conv_silu(x, weight, None, pos_in_doc)
 

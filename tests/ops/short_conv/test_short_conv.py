@@ -96,6 +96,7 @@ def test_gdn2_layer_on_the_kernel_equals_the_torch_stage(monkeypatch):
     GEMM's output), with and without document starts: same output and gradients as the torch stage."""
     import gdn2.layers.gdn2 as layer_mod
     from gdn2.config import Config
+    from gdn2.layers import fused
     from gdn2.ops import select_backend
 
     torch.manual_seed(0)
@@ -112,7 +113,7 @@ def test_gdn2_layer_on_the_kernel_equals_the_torch_stage(monkeypatch):
     monkeypatch.setattr(layer_mod, "short_conv_silu", counted)
 
     def run(conv_backend: str, **kw):
-        monkeypatch.setattr(layer_mod, "select_backend",
+        monkeypatch.setattr(fused, "select_backend",
                             lambda op, device, backend=None: conv_backend if op == "short_conv"
                             else select_backend(op, device, backend))
         layer.zero_grad(set_to_none=True)
