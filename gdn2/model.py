@@ -147,6 +147,15 @@ class GPT(nn.Module):
             if hasattr(module, "grouped_projections"):
                 module.grouped_projections = bool(enabled)
 
+    def set_recompute(self, enabled: bool) -> None:
+        """Let each GDN-2 layer's training forward drop what its backward can cheaply rebuild: the short
+        convolutions' outputs, the decay's full-rank projection, the gates, the output gate and the gated
+        norm, kept for the backward otherwise (off for a bare model; ``train.recompute`` in training).
+        The same values and gradients; the rebuild runs again what made them, once per layer and step."""
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet2):
+                module.recompute = bool(enabled)
+
     def set_float8(self, spec: Optional["Float8Spec"]) -> None:
         """Run the blocks' projections in float8 (``spec`` from :func:`gdn2.layers.float8.float8_spec`;
         None: back to the autocast dtype): every block projection that :func:`gdn2.layers.float8.eligible`

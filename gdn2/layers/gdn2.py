@@ -7,6 +7,7 @@ per-head RMSNorm gated by silu(low-rank gate) -> output projection. No positiona
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -18,6 +19,7 @@ from gdn2.config import Config
 from gdn2.layers.decoding import recurrent_decode
 from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project, runs_triton
 from gdn2.layers.init import Linear
+from gdn2.layers.recompute import RecomputeScope
 from gdn2.ops import chunk_gdn2, short_conv_silu
 
 if TYPE_CHECKING:
@@ -142,6 +144,7 @@ class GatedDeltaNet2(nn.Module):
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=c.norm_eps)
         self.o_proj = lin(self.value_dim, d)
         self.grouped_projections = False  # see GPT.set_grouped_projections
+        self.recompute = False  # see GPT.set_recompute
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -179,31 +182,70 @@ class GatedDeltaNet2(nn.Module):
             raise ValueError("packed prompts need cu_seqlens and a cache to fill")
         if cache is not None and cu_seqlens is not None and not packed:
             raise ValueError("cu_seqlens cannot be combined with a decoding cache")
-        if fused is None:
-            # one GEMM for all seven when grouped projections are on, else seven (see fused.project)
-            qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
-                                                       self.b_proj, self.w_proj, self.g_proj[0]),
-                                                   self.grouped_projections)
-            pre = (qp, kp, vp)
-            taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-            tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
-        else:
-            qkv, f, b, w, gate = fused.project(x)
-            pre, taps, tails = (qkv,), (fused.conv,), (None if cache is None else cache.conv,)
-        convs = [self._conv(p, weight, tail, pos_in_doc, cu_seqlens if packed else None)
-                 for p, weight, tail in zip(pre, taps, tails)]
-        # slices of the fused conv output: dense copies for the kernel (free at batch 1)
-        q, k, v = convs if fused is None else (t.contiguous() for t in convs[0].split([Kd, Kd, Vd], dim=-1))
-        if fused is None:
-            f = self.f_proj[1](f_lo)
-        g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, 2.0 if self.allow_neg_eigval else 1.0)
-        q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
-        v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
-        o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed)
-        if fused is None:
-            gate = self.g_proj[1](g_lo)
-        o = self.o_norm(o, gate.reshape(B, T, HV, V)).reshape(B, T, Vd)
-        return self.o_proj(o)
+        b_scale = 2.0 if self.allow_neg_eigval else 1.0
+        scope = RecomputeScope() if self._recomputes(cache, fused) else None
+        with scope if scope is not None else contextlib.nullcontext():
+            if fused is None:
+                # one GEMM for all seven when grouped projections are on, else seven (see fused.project)
+                qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
+                                                           self.b_proj, self.w_proj, self.g_proj[0]),
+                                                       self.grouped_projections)
+            else:
+                qkv, f, b, w, gate = fused.project(x)
+            if fused is None and cache is None:
+                pre, logits = (qp, kp, vp), (f_lo, b, w)
+                inputs = self._operator_inputs(pre, logits, pos_in_doc, b_scale)
+                q, k, v, f, g, b, w = inputs
+                if scope is not None:
+                    # kept instead: the projections these come from (which their own backward needs)
+                    scope.recompute(inputs, lambda: self._operator_inputs(pre, logits, pos_in_doc, b_scale))
+            else:
+                if fused is None:
+                    pre = (qp, kp, vp)
+                    taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+                    tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+                else:
+                    pre, taps, tails = (qkv,), (fused.conv,), (None if cache is None else cache.conv,)
+                convs = [self._conv(p, weight, tail, pos_in_doc, cu_seqlens if packed else None)
+                         for p, weight, tail in zip(pre, taps, tails)]
+                # slices of the fused conv output: dense copies for the kernel (free at batch 1)
+                q, k, v = convs if fused is None else (t.contiguous() for t in convs[0].split([Kd, Kd, Vd], dim=-1))
+                if fused is None:
+                    f = self.f_proj[1](f_lo)
+                g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, b_scale)
+            q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
+            v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
+            o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed)
+            if fused is None:
+                gate = self.g_proj[1](g_lo)
+            o_gated = self._gated_norm(o, gate)
+            if scope is not None:
+                def gated_again() -> tuple[torch.Tensor, torch.Tensor]:
+                    gate_again = self.g_proj[1](g_lo)
+                    return gate_again, self._gated_norm(o, gate_again)
+
+                scope.recompute((gate, o_gated), gated_again)
+            return self.o_proj(o_gated)
+
+    def _recomputes(self, cache: Optional[GDN2Cache], fused: Optional["FusedGDN2"]) -> bool:
+        """Whether this forward lets go of the operator's inputs, the output gate and the gated norm for the
+        backward to rebuild (``recompute``, set by :meth:`gdn2.model.GPT.set_recompute`; a forward with
+        gradients and without a cache)."""
+        return self.recompute and cache is None and fused is None and torch.is_grad_enabled()
+
+    def _operator_inputs(self, pre: tuple, logits: tuple, pos_in_doc: Optional[torch.Tensor], b_scale: float
+                         ) -> tuple[torch.Tensor, ...]:
+        """q, k, v (short conv + SiLU from the start of x), the decay's full-rank projection f and the
+        gates g, b, w from the projections ``pre`` (q, k, v) and ``logits`` (f's low-rank one, b, w)."""
+        taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        q, k, v = (conv_from_start(p, weight, pos_in_doc) for p, weight in zip(pre, taps))
+        f_lo, b, w = logits
+        f = self.f_proj[1](f_lo)
+        return (q, k, v, f, *gdn2_gates(f, b, w, self.A_log, self.dt_bias, self.head_k_dim, b_scale))
+
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The per-head norm of o [B,T,HV,V] gated by the output gate [B,T,HV*V], as [B,T,HV*V]."""
+        return self.o_norm(o, gate.reshape(o.shape)).reshape(*o.shape[:2], -1)
 
     def _conv(self, x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
               pos_in_doc: Optional[torch.Tensor], packed_cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

@@ -121,6 +121,9 @@ def _report_adjusted_settings(recipe: Recipe, plan: TrainPlan, device_type: str)
     t = recipe.train
     if t.compile and device_type != "cuda":
         log.info("train.compile: true fuses with torch.compile on CUDA only; this run on %s runs eagerly", device_type)
+    if t.recompute and t.activation_checkpointing:
+        log.info("train.recompute: true has nothing to rebuild under train.activation_checkpointing (whole blocks "
+                 "are recomputed); off for this run")
     asked = t.warmup_steps if t.warmup_steps is not None else round(t.warmup_fraction * plan.max_steps)
     if asked != plan.warmup_steps:
         log.info("train.warmup_steps: %d capped at the run's %d optimizer steps", asked, plan.max_steps)

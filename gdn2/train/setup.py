@@ -135,6 +135,8 @@ def build_model_and_optimizer(fabric, recipe: Recipe):
         model = GPT(recipe.model)
     model.fused_loss = recipe.train.fused_loss
     model.set_grouped_projections(recipe.train.grouped_projections)
+    # under whole-block checkpointing the blocks keep nothing inside anyway
+    model.set_recompute(recipe.train.recompute and not recipe.train.activation_checkpointing)
     if recipe.train.float8 is not None:
         spec = float8_spec(recipe.train.float8)
         check_device(spec, fabric.device)

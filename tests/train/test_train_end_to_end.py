@@ -63,12 +63,13 @@ def test_cli_trains_and_the_loss_falls(corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_fused_loss_and_grouped_projections_train_the_same_run(corpus, tmp_path):
-    """``train.fused_loss`` and ``train.grouped_projections`` (on by default) change how the step
-    computes, not what: the same losses (validation included) and weights as the plain path."""
+def test_fused_loss_grouped_projections_and_recompute_train_the_same_run(corpus, tmp_path):
+    """``train.fused_loss`` and ``train.grouped_projections`` (on by default) and ``train.recompute``
+    (off by default) change how the step computes, not what: the same losses (validation included) and
+    weights as the plain path."""
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4, warmup_steps=1), eval=dict(at_end=True))
     plain = run_fit(cfg, tmp_path / "plain", **{"train.fused_loss": False, "train.grouped_projections": False})
-    both = run_fit(cfg, tmp_path / "both")
+    both = run_fit(cfg, tmp_path / "both", **{"train.recompute": True})
     a, b = train_losses(tmp_path / "plain"), train_losses(tmp_path / "both")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:
