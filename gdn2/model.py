@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention
 from gdn2.layers.decoding import DecodeContext
-from gdn2.layers.fused import grouped_linear, swiglu, swiglu_joined
+from gdn2.layers.fused import grouped_linear, swiglu, swiglu_joined, swiglu_joined_stage
 from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
 from gdn2.layers.init import Embedding, Linear, RMSNorm
 from gdn2.layers.loss import cross_entropy_fp32, linear_cross_entropy
@@ -42,9 +42,11 @@ class MLP(nn.Module):
         self.grouped_projections = False  # see GPT.set_grouped_projections
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both."""
+        """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both. Decoding keeps
+        the torch form of the joined SwiGLU, the one a CUDA graph captures, so that the captured decode
+        step gives the eager step's values (the Triton kernel rounds once from fp32, the torch form twice)."""
         if fused_in is not None:
-            h = swiglu_joined(F.linear(x, fused_in))
+            h = swiglu_joined_stage(F.linear(x, fused_in))
         elif self.grouped_projections:
             h = swiglu_joined(grouped_linear(x, (self.w1, self.w2)))
         else:
