@@ -48,14 +48,15 @@ def test_two_ranks_match_one_rank_and_resume_on_one(one_rank, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_hybrid_sharding_matches_one_rank_and_reshards(one_rank, tmp_path):
     """Steps 1-2 on one rank, 3-4 on 4 ranks as 2 replica groups of 2 shards (the 2-D mesh hybrid
-    sharding uses across nodes), 5-6 on one rank again: every step's loss is the one-rank run's, the
-    checkpoint resharded at each change (1 -> 4 -> 1)."""
+    sharding uses across nodes; with ``train.recompute``, which changes no value), 5-6 on one rank again:
+    every step's loss is the one-rank run's, the checkpoint resharded at each change (1 -> 4 -> 1)."""
     cfg, one = one_rank
     out = tmp_path / "moved"
     assert fit(load_recipe(str(cfg), {"train.stop_at_step": "2"}, out_dir=str(out))).step == 2
     run = run_main(["--config", str(cfg), "--out_dir", str(out), "--resume", "auto", "--distributed.strategy", "fsdp2",
                     "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1", "--distributed.devices", "4",
-                    "--distributed.sharding", "hybrid", "--distributed.replicas", "2", "--train.stop_at_step", "4"])
+                    "--distributed.sharding", "hybrid", "--distributed.replicas", "2", "--train.stop_at_step", "4",
+                    "--train.recompute", "true"])
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout + run.stderr
     assert "4 rank(s) on cpu (ModelParallelStrategy" in log and "resuming on 4 rank(s) a checkpoint written by 1" in log
