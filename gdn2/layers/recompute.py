@@ -6,7 +6,8 @@ Inside a :class:`RecomputeScope` every tensor autograd saves is held by a handle
 ``rebuild()`` makes again from tensors the backward keeps anyway. Each handle that holds one of them, or
 a view of one, whether saved before or after the call, lets go of it; at the first unpack of such a
 handle ``rebuild()`` runs once (without gradients, under the forward's autocast state) and the handle
-returns its view of the rebuilt tensor. A rebuilt tensor is freed once every handle of it has been read.
+returns its view of the rebuilt tensor (which must have the named tensor's shape, strides and dtype).
+A rebuilt tensor is freed once every handle of it has been read.
 
 ``rebuild`` must give the forward's values: the same functions on the same inputs, and nothing random.
 Only plain tensors that own their whole storage can be named (views of a larger buffer are kept as
@@ -42,7 +43,7 @@ class _Rebuild:
         self.fn = rebuild
         self.keys = {_storage_key(t): i for i, t in enumerate(tensors) if _owns_storage(t)}
         self.alive = [weakref.ref(t) for t in tensors]
-        self.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        self.meta = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
         self.pending = [0] * len(tensors)  # handles that have yet to read tensor i
         self.values: list[Optional[torch.Tensor]] = [None] * len(tensors)
         device = tensors[0].device.type
@@ -58,10 +59,11 @@ class _Rebuild:
             device, dtype, enabled = self.autocast
             with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = list(self.fn())
-            for j, (t, (shape, dt, dev)) in enumerate(zip(out, self.meta)):
-                if t.shape != shape or t.dtype != dt or t.device != dev or not _owns_storage(t):
-                    raise RuntimeError(f"recompute gave tensor {j} as {tuple(t.shape)} {t.dtype} on {t.device}, "
-                                       f"the forward made {tuple(shape)} {dt} on {dev}")
+            for j, (t, (shape, stride, dt, dev)) in enumerate(zip(out, self.meta)):
+                if t.shape != shape or t.stride() != stride or t.dtype != dt or t.device != dev:
+                    raise RuntimeError(f"recompute gave tensor {j} as {tuple(t.shape)} {t.dtype} on {t.device} "
+                                       f"(strides {t.stride()}), the forward made {tuple(shape)} {dt} on {dev} "
+                                       f"(strides {stride})")
             # keep only what some handle has yet to read
             self.values = [t if n > 0 or j == i else None for j, (t, n) in enumerate(zip(out, self.pending))]
         return self.values[i]  # type: ignore[return-value]
@@ -101,7 +103,8 @@ class _Handle:
         assert rebuild is not None
         base = rebuild.value(self.index) if self.read_once else rebuild.read(self.index)
         self.read_once = True
-        return base.as_strided(*self.view)
+        shape, stride, offset = self.view  # offset within the named tensor, which began its storage
+        return base.as_strided(shape, stride, base.storage_offset() + offset)
 
 
 class RecomputeScope:

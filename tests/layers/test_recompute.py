@@ -48,6 +48,25 @@ def test_named_tensor_is_let_go_and_rebuilt_once_for_identical_gradients():
     assert torch.equal(again, want) and len(rebuilds) == 2
 
 
+def test_rebuilt_tensor_may_sit_inside_a_larger_buffer():
+    """The rebuild may hand back a view at an offset of its own storage (as a compiled graph can): each
+    handle's view is taken relative to it."""
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(_graph(x, False, [])[0], x)[0]
+    with RecomputeScope() as scope:
+        e = torch.exp(x)
+        s = torch.sin(e)
+
+        def again():
+            buf = torch.zeros(7 + x.numel(), dtype=x.dtype)
+            buf[7:].view_as(x).copy_(torch.exp(x))
+            return [buf[7:].view_as(x)]
+
+        scope.recompute([e], again)
+        loss = (e.t() * s.t()).sum()
+    assert torch.equal(torch.autograd.grad(loss, x)[0], want)
+
+
 def test_view_of_a_larger_buffer_is_kept_as_saved():
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     rebuilds: list = []
