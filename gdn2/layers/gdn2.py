@@ -190,41 +190,29 @@ class GatedDeltaNet2(nn.Module):
                 qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
                                                            self.b_proj, self.w_proj, self.g_proj[0]),
                                                        self.grouped_projections)
-            else:
-                qkv, f, b, w, gate = fused.project(x)
-            if fused is None and cache is None:
-                pre, logits = (qp, kp, vp), (f_lo, b, w)
-                inputs = self._operator_inputs(pre, logits, pos_in_doc, b_scale)
+                tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+                made_from = ((qp, kp, vp), (f_lo, b, w), pos_in_doc, b_scale)
+                inputs = self._operator_inputs(*made_from, tails, cu_seqlens if packed else None)
                 q, k, v, f, g, b, w = inputs
                 if scope is not None:
                     # kept instead: the projections these come from (which their own backward needs)
-                    scope.recompute(inputs, lambda: self._operator_inputs(pre, logits, pos_in_doc, b_scale))
+                    scope.recompute(inputs, lambda: self._operator_inputs(*made_from))
             else:
-                if fused is None:
-                    pre = (qp, kp, vp)
-                    taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-                    tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
-                else:
-                    pre, taps, tails = (qkv,), (fused.conv,), (None if cache is None else cache.conv,)
-                convs = [self._conv(p, weight, tail, pos_in_doc, cu_seqlens if packed else None)
-                         for p, weight, tail in zip(pre, taps, tails)]
+                qkv, f, b, w, gate = fused.project(x)
+                conv = self._conv(qkv, fused.conv, None if cache is None else cache.conv, pos_in_doc,
+                                  cu_seqlens if packed else None)
                 # slices of the fused conv output: dense copies for the kernel (free at batch 1)
-                q, k, v = convs if fused is None else (t.contiguous() for t in convs[0].split([Kd, Kd, Vd], dim=-1))
-                if fused is None:
-                    f = self.f_proj[1](f_lo)
+                q, k, v = (t.contiguous() for t in conv.split([Kd, Kd, Vd], dim=-1))
                 g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, b_scale)
             q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
             v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
             o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed)
             if fused is None:
-                gate = self.g_proj[1](g_lo)
-            o_gated = self._gated_norm(o, gate)
+                gate, o_gated = self._gated_output(o, g_lo)
+            else:
+                o_gated = self._gated_norm(o, gate)
             if scope is not None:
-                def gated_again() -> tuple[torch.Tensor, torch.Tensor]:
-                    gate_again = self.g_proj[1](g_lo)
-                    return gate_again, self._gated_norm(o, gate_again)
-
-                scope.recompute((gate, o_gated), gated_again)
+                scope.recompute((gate, o_gated), lambda: self._gated_output(o, g_lo))
             return self.o_proj(o_gated)
 
     def _recomputes(self, cache: Optional[GDN2Cache], fused: Optional["FusedGDN2"]) -> bool:
@@ -233,12 +221,15 @@ class GatedDeltaNet2(nn.Module):
         gradients and without a cache)."""
         return self.recompute and cache is None and fused is None and torch.is_grad_enabled()
 
-    def _operator_inputs(self, pre: tuple, logits: tuple, pos_in_doc: Optional[torch.Tensor], b_scale: float
+    def _operator_inputs(self, pre: tuple, logits: tuple, pos_in_doc: Optional[torch.Tensor], b_scale: float,
+                         tails: tuple = (None,) * 3, packed_cu_seqlens: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, ...]:
-        """q, k, v (short conv + SiLU from the start of x), the decay's full-rank projection f and the
-        gates g, b, w from the projections ``pre`` (q, k, v) and ``logits`` (f's low-rank one, b, w)."""
+        """q, k, v (short conv + SiLU, see :meth:`_conv` for ``tails`` and ``packed_cu_seqlens``), the
+        decay's full-rank projection f and the gates g, b, w from the projections ``pre`` (q, k, v) and
+        ``logits`` (f's low-rank one, b, w)."""
         taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        q, k, v = (conv_from_start(p, weight, pos_in_doc) for p, weight in zip(pre, taps))
+        q, k, v = (self._conv(p, weight, tail, pos_in_doc, packed_cu_seqlens)
+                   for p, weight, tail in zip(pre, taps, tails))
         f_lo, b, w = logits
         f = self.f_proj[1](f_lo)
         return (q, k, v, f, *gdn2_gates(f, b, w, self.A_log, self.dt_bias, self.head_k_dim, b_scale))
@@ -246,6 +237,11 @@ class GatedDeltaNet2(nn.Module):
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The per-head norm of o [B,T,HV,V] gated by the output gate [B,T,HV*V], as [B,T,HV*V]."""
         return self.o_norm(o, gate.reshape(o.shape)).reshape(*o.shape[:2], -1)
+
+    def _gated_output(self, o: torch.Tensor, g_lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output gate from its low-rank projection ``g_lo``, and o's gated norm."""
+        gate = self.g_proj[1](g_lo)
+        return gate, self._gated_norm(o, gate)
 
     def _conv(self, x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
               pos_in_doc: Optional[torch.Tensor], packed_cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
