@@ -25,6 +25,11 @@ side, the ratio of the two, and an out-of-memory recorded as such. ``--phase pro
 ``--compare`` profiles both configs. ``--set key=value`` (repeatable) overrides a recipe value in every
 trial and in the trainer phase, e.g. ``--set train.fused_loss=true``.
 
+In the sweep and profile phases every measured trial follows an unrecorded one-step trial of the same
+config and length (``--no-warm-trial`` skips it), so that it finds torch.compile's and Triton's caches
+filled: on a fresh machine the first trial of a config could run several percent slower than the same
+trial repeated, its warm-up steps notwithstanding (``bench/NOTES.md``).
+
 Phase ``scaling`` runs the trainer phase at every count of ``--gpus 1,2,4,8`` with every
 ``--strategies`` entry (``fsdp``, ``fsdp2``, ``ddp``; ``-hybrid`` for a 2-D mesh of ``--replicas``
 groups, the layout hybrid sharding uses across nodes), with ``--trainer-global-batch`` sequences per step
@@ -223,6 +228,21 @@ def trial(cfg: argparse.Namespace, mb: int, ac: bool, workdir: Path, profile: bo
     return data
 
 
+def warmed_trial(cfg: argparse.Namespace, mb: int, workdir: Path, config: str, seq_len: Optional[int] = None,
+                 profile: bool = False) -> dict:
+    """:func:`trial`, after an unrecorded one-step trial of the same config and length that fills the
+    compile caches (unless ``--no-warm-trial``); the warm-up's wall time and tokens/s go in ``warm_up``."""
+    warm = None
+    if cfg.warm_trial:
+        short = argparse.Namespace(**{**vars(cfg), "trial_steps": 1, "warmup_steps": 1})
+        w = trial(short, mb, cfg.trainer_ac, workdir, config=config, seq_len=seq_len)
+        warm = {"wall_s": w["wall_s"], "ok": bool(w.get("ok")), "tokens_per_sec_per_gpu": w.get("tokens_per_sec_per_gpu")}
+    r = trial(cfg, mb, cfg.trainer_ac, workdir, profile=profile, config=config, seq_len=seq_len)
+    if warm is not None:
+        r["warm_up"] = warm
+    return r
+
+
 def search(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict]:
     """Largest micro-batch that fits, without and with activation checkpointing."""
     trials = []
@@ -406,7 +426,7 @@ def sweep(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict]
             if time.time() > deadline:
                 row[config] = {"ok": False, "error": "time budget spent"}
                 continue
-            r = row[config] = trial(cfg, mb, cfg.trainer_ac, workdir, config=config, seq_len=seq_len)
+            r = row[config] = warmed_trial(cfg, mb, workdir, config, seq_len)
             print(f"  {config} T={seq_len} mb={mb}: " + (f"{r['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, "
                   f"{_pct(r.get('mfu'))} MFU, {r['peak_memory_gib']:.1f} GiB" if r.get("ok")
                   else f"failed ({'OOM' if r.get('oom') else r.get('error')})"), flush=True)
@@ -485,6 +505,8 @@ def main() -> None:
     p.add_argument("--trial-steps", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--trial-timeout", type=float, default=300.0)
+    p.add_argument("--no-warm-trial", dest="warm_trial", action="store_false",
+                   help="sweep / profile: measure without the unrecorded one-step trial before each measured one")
     p.add_argument("--workdir", default="/tmp/gdn2_train_bench")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke test of this script
     # child mode
@@ -535,8 +557,7 @@ def main() -> None:
         report["profile_trials"] = {}
         for config in [args.config] + ([args.compare] if args.compare else []):
             print(f"[profile] one optimizer step of {config}, micro-batch {mb}, AC {args.trainer_ac}", flush=True)
-            report["profile_trials"][config] = r = trial(args, mb, args.trainer_ac, workdir, profile=True,
-                                                         config=config)
+            report["profile_trials"][config] = r = warmed_trial(args, mb, workdir, config, profile=True)
             print_profile(config, r)
     if args.phase == "sweep":
         print(f"[sweep] {args.config}" + (f" against {args.compare}" if args.compare else "")
