@@ -218,7 +218,8 @@ class GatedDeltaNet2(nn.Module):
     def _recomputes(self, cache: Optional[GDN2Cache], fused: Optional["FusedGDN2"]) -> bool:
         """Whether this forward lets go of the operator's inputs, the output gate and the gated norm for the
         backward to rebuild (``recompute``, set by :meth:`gdn2.model.GPT.set_recompute`; a forward with
-        gradients and without a cache)."""
+        gradients and without a cache). The operator's own intermediates (Aqk, A, R) are then rebuilt
+        by its backward (``chunk_gdn2(..., recompute=True)``)."""
         return self.recompute and cache is None and fused is None and torch.is_grad_enabled()
 
     def _operator_inputs(self, pre: tuple, logits: tuple, pos_in_doc: Optional[torch.Tensor], b_scale: float,
@@ -261,7 +262,9 @@ class GatedDeltaNet2(nn.Module):
              packed: bool) -> torch.Tensor:
         """The GDN-2 operator; with a cache, from its state, which is advanced in place."""
         if cache is None:
-            o, _ = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+            # with recompute the operator, too, keeps only its inputs (which the layer rebuilds itself)
+            o, _ = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                              recompute=self.recompute)
             return o
         if packed:
             o, final = chunk_gdn2(q, k, v, g, b, w, output_final_state=True, use_qk_l2norm_in_kernel=True,

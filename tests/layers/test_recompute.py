@@ -154,8 +154,10 @@ def test_recompute_on_cuda_frees_the_intermediates_and_keeps_the_gradients():
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet2)]
     kd, vd = layers[0].key_dim, layers[0].value_dim
     # at least the operator's inputs: q, k, v, b, w in bf16, g in fp32 (f, the output gate and the
-    # gated norm too where the compiled stages would have kept them)
-    per_token = 2 * (2 * kd + vd) + 4 * kd + 2 * kd + 2 * vd
+    # gated norm too where the compiled stages would have kept them), and the operator's own Aqk, A
+    # (64 per head each) and R (value_dim) in bf16
+    heads = layers[0].num_v_heads
+    per_token = 2 * (2 * kd + vd) + 4 * kd + 2 * kd + 2 * vd + 2 * (2 * 64 * heads + vd)
     expected = len(layers) * idx[:, :-1].numel() * per_token
     assert held_k - held_r >= 0.9 * expected, (held_k, held_r, expected)
     torch.testing.assert_close(loss_r, loss_k, rtol=0, atol=0)

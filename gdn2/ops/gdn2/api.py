@@ -64,7 +64,7 @@ def chunk_gdn2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
     scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, backend: Optional[str] = None, recompute: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked GDN-2 (training and prefill).
 
@@ -72,7 +72,11 @@ def chunk_gdn2(
     decay overflows to inf/NaN); v, w: [B,T,HV,V];
     initial_state: fp32 [N,HV,K,V] (N = B, or the number of sequences in ``cu_seqlens``, which
     needs B == 1). ``scale`` defaults to K**-0.5. Returns ``o`` [B,T,HV,V] in q's dtype and the fp32
-    final state when ``output_final_state``. Differentiable in every tensor input.
+    final state when ``output_final_state``. Differentiable in every tensor input. ``recompute``
+    (Triton backend): the forward keeps only its inputs for the backward, which runs the forward's
+    kernels again (Aqk, A and R: at K = V = 128 and bf16, 512 bytes per token and head less memory held
+    between forward and backward); the gradients are the same. The torch backend keeps what autograd
+    saves either way.
     """
     be = select_backend("gdn2", device_of("q", q), backend)
     check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path=be == "torch")
@@ -82,7 +86,7 @@ def chunk_gdn2(
         from gdn2.ops.gdn2.chunk import chunk_gdn2_triton
 
         return chunk_gdn2_triton(q, k, v, g, b, w, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens)
+                                 use_qk_l2norm_in_kernel, cu_seqlens, recompute)
     return chunk_gdn2_reference(q, k, v, g, b, w, scale, initial_state, output_final_state,
                                 use_qk_l2norm_in_kernel, cu_seqlens)
 

@@ -8,7 +8,9 @@ take half the bytes of per-chunk state checkpoints. It also keeps the fp32 state
 without U (the intra kernel is not re-run) -> ``gdn2_state_scan_kernel`` (the states at every chunk
 start from R, one product per chunk, in parallel over windows of 64 chunks) -> ``gdn2_bwd_scan_kernel``
 (one reverse scan) -> ``gdn2_bwd_wy_kernel`` -> ``gdn2_bwd_intra_kernel`` -> ``gdn2_bwd_qkbg_kernel``
-(chunk-parallel) -> [L2 norm backward].
+(chunk-parallel) -> [L2 norm backward]. With ``recompute`` the forward keeps only its inputs and the
+backward first runs the forward's kernels again for Aqk, A, R and the window starts (the prep kernel
+then runs once, with U, its other outputs serving the backward too).
 
 The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
 """
@@ -144,10 +146,20 @@ def chunk_start_states(kt, rbuf, gcl, initial_state, hseg, lay: ChunkLayout) -> 
     return hbuf
 
 
-def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: ChunkLayout,
+def rebuild_saved(q, k, v, g, b, w, scale, initial_state, lay: ChunkLayout):
+    """What the training forward of :func:`gdn2_forward` saves (Aqk, A, R, window starts), made again
+    from its inputs by the same kernels, and the chunk operands (Y, Kt, Qg, exp2(G_C)) the backward
+    would otherwise make with a second prep launch."""
+    aqk, amat, y, kt, qg, u, gcl = forward_operands(q, k, g, b, v, w, scale, lay)
+    _, _, rbuf, hseg = forward_scan(y, u, kt, qg, aqk, gcl, scale, initial_state, lay, for_backward=True)
+    return (aqk, amat, rbuf, hseg), (y, kt, qg, gcl)
+
+
+def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved: Optional[tuple], do, dht, lay: ChunkLayout,
                   need_dh0: bool, qk_grad_dtype: torch.dtype):
     """Flattened backward: (dq, dk, dv, dg, db, dw, dh0) for the tensors of :func:`gdn2_forward`, given
-    its ``saved`` (Aqk, A, R, window starts).
+    its ``saved`` (Aqk, A, R, window starts), or None for a forward that kept only its inputs
+    (:func:`rebuild_saved` then makes them again).
 
     dq and dk come in ``qk_grad_dtype`` (fp32 when the L2-norm backward follows); the others have
     their input's dtype; dh0 is fp32 or None.
@@ -156,8 +168,12 @@ def gdn2_backward(q, k, v, g, b, w, scale, initial_state, saved, do, dht, lay: C
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     prec = dot_precision(dt)
-    aqk, amat, rbuf, hseg = saved
-    y, kt, qg, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
+    if saved is None:
+        (aqk, amat, rbuf, hseg), (y, kt, qg, gcl) = rebuild_saved(q, k, v, g, b, w, scale, initial_state, lay)
+    else:
+        aqk, amat, rbuf, hseg = saved
+        y, kt, qg, _, gcl = chunk_operands(q, k, g, b, v, w, amat, lay, with_u=False)
+    del saved
     cu, info, off = lay.kernel_args(gcl)
     hbuf = chunk_start_states(kt, rbuf, gcl, initial_state, hseg, lay)
     dhbuf = torch.empty(lay.NC, H, K, V, device=dev, dtype=dt)
@@ -210,38 +226,38 @@ class ChunkGDN2Function(torch.autograd.Function):
     """Autograd over flattened tensors [TT, H, D]; see :func:`chunk_gdn2_triton` for the contract."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, b, w, initial_state, scale, output_final_state, use_l2, lay):
+    def forward(ctx, q, k, v, g, b, w, initial_state, scale, output_final_state, use_l2, lay, recompute):
         qn, q_rstd = l2norm_fwd(q) if use_l2 else (q, None)
         kn, k_rstd = l2norm_fwd(k) if use_l2 else (k, None)
-        o, ht, (aqk, amat, rbuf, hseg) = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state,
-                                                      output_final_state, lay, for_backward=True)
-        ctx.save_for_backward(q, k, v, g, b, w, initial_state, aqk, amat, rbuf, hseg)
+        o, ht, saved = gdn2_forward(qn, kn, v, g, b, w, scale, initial_state, output_final_state, lay,
+                                    for_backward=not recompute)
+        ctx.save_for_backward(q, k, v, g, b, w, initial_state, *(saved or (None,) * 4))
         ctx.scale, ctx.use_l2, ctx.lay = scale, use_l2, lay
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, b, w, initial_state, aqk, amat, rbuf, hseg = ctx.saved_tensors
+        q, k, v, g, b, w, initial_state, *saved = ctx.saved_tensors
         if ctx.use_l2:
             qn, q_rstd = l2norm_fwd(q)
             kn, k_rstd = l2norm_fwd(k)
         else:
             qn, kn = q, k
         dq, dk, dv, dg, db, dw, dh0 = gdn2_backward(
-            qn, kn, v, g, b, w, ctx.scale, initial_state, (aqk, amat, rbuf, hseg), do.contiguous(),
-            None if dht is None else dht.contiguous(), ctx.lay,
+            qn, kn, v, g, b, w, ctx.scale, initial_state, None if saved[0] is None else tuple(saved),
+            do.contiguous(), None if dht is None else dht.contiguous(), ctx.lay,
             need_dh0=initial_state is not None and ctx.needs_input_grad[6],
             qk_grad_dtype=torch.float32 if ctx.use_l2 else q.dtype)
         if ctx.use_l2:
             dq = l2norm_bwd(q, q_rstd, dq, q.dtype)
             dk = l2norm_bwd(k, k_rstd, dk, k.dtype)
-        return dq, dk, dv, dg, db, dw, dh0, None, None, None, None
+        return dq, dk, dv, dg, db, dw, dh0, None, None, None, None, None
 
 
 def chunk_gdn2_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor, w: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[torch.Tensor] = None, recompute: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked GDN-2 on validated inputs (see ``gdn2.ops.chunk_gdn2``).
 
@@ -269,7 +285,8 @@ def chunk_gdn2_triton(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, b, w, initial_state))
     if needs_grad:
-        o, ht = ChunkGDN2Function.apply(*flat, h0, scale, output_final_state, use_qk_l2norm_in_kernel, lay)
+        o, ht = ChunkGDN2Function.apply(*flat, h0, scale, output_final_state, use_qk_l2norm_in_kernel, lay,
+                                        recompute)
     else:
         qf, kf = flat[0], flat[1]
         if use_qk_l2norm_in_kernel:

@@ -150,6 +150,43 @@ def test_grouped_value_heads_bf16_gate_and_custom_scale():
     check(got, oracle(ins, h0, do, dht, cu, case, scale=0.3), torch.float32, dict(TOL[torch.float32], dg=1e-2))
 
 
+def _saved_bytes_and_results(ins, h0, do, dht, cu, case, recompute):
+    """Bytes autograd holds for the operator's backward (every saved tensor, counted once) and its
+    o, final state and gradients."""
+    leaves, h, wrt = _leaves(ins, h0, case)
+    held = {}
+
+    def pack(t):
+        held[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, s = chunk_gdn2_triton(*leaves, case.K ** -0.5, h, case.final, case.l2, cu, recompute=recompute)
+    loss = (o.float() * do.float()).sum() + ((s * dht).sum() if case.final else 0)
+    return sum(held.values()), (o, s, torch.autograd.grad(loss, wrt))
+
+
+@pytest.mark.parametrize("case,segment", [(CASES[0], 1), (Case(2, 130, 1, 16, 32), 64)], ids=["varlen", "fixed"])
+def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients(case, segment, monkeypatch):
+    """``recompute=True``: the forward saves nothing beyond its inputs (the default also keeps Aqk and
+    A, [TT, H, 64] each, R, [TT, H, V], and the window-start states), and the backward, running the
+    forward's kernels again, gives o, the final state and every gradient bit for bit. Windows of one
+    chunk (varlen) make the window-start states a real buffer, rebuilt too."""
+    monkeypatch.setattr(chunk_mod, "STATE_SEGMENT", segment)
+    ins, h0, do, dht, cu = make_case(case, torch.float32, seed=31)
+    kept, want = _saved_bytes_and_results(ins, h0, do, dht, cu, case, recompute=False)
+    lean, got = _saved_bytes_and_results(ins, h0, do, dht, cu, case, recompute=True)
+    inputs = sum(t.numel() * t.element_size() for t in ins) + h0.numel() * h0.element_size()
+    assert lean == inputs
+    TT, H, V = case.B * case.T, case.H, case.V
+    lay = chunk_layout(case.B, case.T, cu, ins[0].device)
+    windows = chunk_mod.window_starts_buffer(lay, H, case.K, V, "cpu").numel() * 4
+    assert kept - lean == (2 * TT * H * 64 + TT * H * V) * 4 + windows
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, a, b in zip(GRADS, got[2], want[2]):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.slow
 def test_steep_gates_anchored_and_exact_diagonal_paths(monkeypatch):
     """Three chunks, two key blocks. Key block 0 decays at -4 nats per token everywhere, near the fast
