@@ -163,3 +163,32 @@ def test_recompute_on_cuda_frees_the_intermediates_and_keeps_the_gradients():
     torch.testing.assert_close(loss_r, loss_k, rtol=0, atol=0)
     for n, g in grads_k.items():
         torch.testing.assert_close(grads_r[n], g, rtol=1e-2, atol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
+def test_layer_on_the_triton_operators_lets_the_operator_keep_only_its_inputs(monkeypatch):
+    """With the operators on their Triton kernels (interpreted on the CPU, fp32), a GDN-2 layer under
+    recompute also asks the GDN-2 operator to keep only its inputs (``chunk_gdn2(..., recompute=True)``),
+    and its output and gradients equal keeping everything, bit for bit."""
+    import gdn2.layers.gdn2 as layer_mod
+    from gdn2.ops.backend import override
+
+    cfg = Config.from_name("swa_gdn2_tiny")
+    layer = GatedDeltaNet2(cfg).train()
+    x = torch.randn(1, 40, cfg.n_embd, requires_grad=True)
+    dy = torch.randn(1, 40, cfg.n_embd)
+    asked = []
+    operator = layer_mod.chunk_gdn2
+    monkeypatch.setattr(layer_mod, "chunk_gdn2", lambda *a, **k: (asked.append(k["recompute"]), operator(*a, **k))[1])
+
+    def run():
+        out = layer(x)
+        return out.detach(), torch.autograd.grad((out * dy).sum(), [x, *layer.parameters()])
+
+    with override(backend="triton"):
+        want = run()
+        layer.recompute = True
+        got = run()
+    assert asked == [False, True]
+    assert torch.equal(got[0], want[0])
+    for (name, _), a, b in zip([("x", x), *layer.named_parameters()], got[1], want[1]):
+        assert torch.equal(a, b), name
