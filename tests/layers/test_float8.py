@@ -82,3 +82,36 @@ def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     torch.testing.assert_close(val_c, val_e)
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(grads_c, grads_e, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_with_float8_gives_the_same_loss_and_gradients(monkeypatch):
+    """``train.recompute`` over float8 projections (the rebuilt operator inputs come from the float8
+    grouped projection's output), eager and with the stages traced: one rebuild per GDN-2 layer, and
+    bit-identical to keeping them."""
+    from gdn2.layers import fused
+    from gdn2.layers.gdn2 import GatedDeltaNet2
+
+    rebuilds = []
+    inputs = GatedDeltaNet2._operator_inputs
+    monkeypatch.setattr(GatedDeltaNet2, "_operator_inputs",
+                        lambda *a, **k: (rebuilds.append(not torch.is_grad_enabled()), inputs(*a, **k))[1])
+    torch.manual_seed(1)
+    model = GPT(Config.from_name("swa_gdn2_tiny")).train()
+    model.fused_loss = True
+    model.set_grouped_projections(True)
+    model.set_float8(float8_spec("tensorwise", emulate=True))
+    idx = torch.randint(0, model.config.vocab_size, (2, 33))
+    try:
+        for traced in (False, True):
+            if traced:
+                torch._dynamo.reset()
+                fused.set_compiled(True, devices=("cpu",), backend="aot_eager")
+            model.set_recompute(False)
+            loss_k, grads_k = _loss_and_grads(model, idx)
+            model.set_recompute(True)
+            rebuilds.clear()
+            loss_r, grads_r = _loss_and_grads(model, idx)
+            assert sum(rebuilds) == sum(isinstance(m, GatedDeltaNet2) for m in model.modules()), traced
+            assert torch.equal(loss_r, loss_k) and torch.equal(grads_r, grads_k), traced
+    finally:
+        fused.set_compiled(False)
