@@ -19,6 +19,17 @@ def _loss_and_grads(model, idx):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def _tiny_float8_hybrid():
+    """The tiny hybrid with the fused loss, grouped projections and emulated tensorwise float8, and a
+    batch of token ids for it."""
+    torch.manual_seed(1)
+    model = GPT(Config.from_name("swa_gdn2_tiny")).train()
+    model.fused_loss = True
+    model.set_grouped_projections(True)
+    model.set_float8(float8_spec("tensorwise", emulate=True))
+    return model, torch.randint(0, model.config.vocab_size, (2, 33))
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("grouped", [True, False])
 def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections(recipe, grouped):
@@ -59,12 +70,7 @@ def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     with and without gradients is more graphs than torch's default recompile limit)."""
     from gdn2.layers import fused
 
-    torch.manual_seed(1)
-    model = GPT(Config.from_name("swa_gdn2_tiny")).train()
-    model.fused_loss = True
-    model.set_grouped_projections(True)
-    model.set_float8(float8_spec("tensorwise", emulate=True))
-    idx = torch.randint(0, model.config.vocab_size, (2, 33))
+    model, idx = _tiny_float8_hybrid()
     loss_e, grads_e = _loss_and_grads(model, idx)
     torch._dynamo.reset()
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -95,12 +101,7 @@ def test_recompute_with_float8_gives_the_same_loss_and_gradients(monkeypatch):
     inputs = GatedDeltaNet2._operator_inputs
     monkeypatch.setattr(GatedDeltaNet2, "_operator_inputs",
                         lambda *a, **k: (rebuilds.append(not torch.is_grad_enabled()), inputs(*a, **k))[1])
-    torch.manual_seed(1)
-    model = GPT(Config.from_name("swa_gdn2_tiny")).train()
-    model.fused_loss = True
-    model.set_grouped_projections(True)
-    model.set_float8(float8_spec("tensorwise", emulate=True))
-    idx = torch.randint(0, model.config.vocab_size, (2, 33))
+    model, idx = _tiny_float8_hybrid()
     try:
         for traced in (False, True):
             if traced:
