@@ -152,8 +152,9 @@ class GPT(nn.Module):
     def set_recompute(self, enabled: bool) -> None:
         """Let each GDN-2 layer's training forward drop what its backward can cheaply rebuild: the short
         convolutions' outputs, the decay's full-rank projection, the gates, the output gate and the gated
-        norm, kept for the backward otherwise (off for a bare model; ``train.recompute`` in training).
-        The same values and gradients; the rebuild runs again what made them, once per layer and step."""
+        norm, and the GDN-2 operator's chunk intermediates, kept for the backward otherwise (off for a bare
+        model; ``train.recompute`` in training). The same values and gradients; the rebuild runs again what
+        made them, once per layer and step."""
         for module in self.modules():
             if isinstance(module, GatedDeltaNet2):
                 module.recompute = bool(enabled)

@@ -206,7 +206,7 @@ class GatedDeltaNet2(nn.Module):
                 g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, b_scale)
             q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
             v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
-            o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed)
+            o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed, recompute=scope is not None)
             if fused is None:
                 gate, o_gated = self._gated_output(o, g_lo)
             else:
@@ -259,12 +259,13 @@ class GatedDeltaNet2(nn.Module):
         return y
 
     def _mix(self, q, k, v, g, b, w, cu_seqlens: Optional[torch.Tensor], cache: Optional[GDN2Cache],
-             packed: bool) -> torch.Tensor:
-        """The GDN-2 operator; with a cache, from its state, which is advanced in place."""
+             packed: bool, recompute: bool = False) -> torch.Tensor:
+        """The GDN-2 operator; with a cache, from its state, which is advanced in place. ``recompute``
+        (a forward that rebuilds the operator's inputs, see :meth:`_recomputes`): the operator keeps only
+        those inputs and rebuilds its own intermediates in its backward."""
         if cache is None:
-            # with recompute the operator, too, keeps only its inputs (which the layer rebuilds itself)
             o, _ = chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                              recompute=self.recompute)
+                              recompute=recompute)
             return o
         if packed:
             o, final = chunk_gdn2(q, k, v, g, b, w, output_final_state=True, use_qk_l2norm_in_kernel=True,

@@ -56,9 +56,9 @@ class TrainConfig:
     grouped_projections: bool = _opt(True, "one GEMM for the projections that read one input (a GDN-2 "
                                             "layer's seven, the MLP's two)")
     recompute: bool = _opt(False, "the GDN-2 layers' short-convolution outputs, gates, output gate and gated "
-                                  "norm rebuilt in the backward instead of kept (swa_gdn2_1.3B at 4 x 4096: "
-                                  "5.6 GiB less, about 2% more step time); no effect with "
-                                  "activation_checkpointing")
+                                  "norm, and the GDN-2 operator's chunk intermediates, rebuilt in the backward "
+                                  "instead of kept (swa_gdn2_1.3B at 4 x 4096: 44.2 GiB instead of 51.0, a few "
+                                  "percent more step time); no effect with activation_checkpointing")
     float8: Optional[str] = _opt(None, "the blocks' projections as float8 GEMMs (torchao): tensorwise, rowwise "
                                        "or rowwise_with_gw_hp scaling; null: bf16. Needs a GPU of compute "
                                        "capability 8.9+ and pip install 'gdn2[float8]'")

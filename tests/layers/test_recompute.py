@@ -165,6 +165,7 @@ def test_recompute_on_cuda_frees_the_intermediates_and_keeps_the_gradients():
         torch.testing.assert_close(grads_r[n], g, rtol=1e-2, atol=1e-3, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_layer_on_the_triton_operators_lets_the_operator_keep_only_its_inputs(monkeypatch):
     """With the operators on their Triton kernels (interpreted on the CPU, fp32), a GDN-2 layer under
     recompute also asks the GDN-2 operator to keep only its inputs (``chunk_gdn2(..., recompute=True)``),

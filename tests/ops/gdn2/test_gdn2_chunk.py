@@ -166,7 +166,8 @@ def _saved_bytes_and_results(ins, h0, do, dht, cu, case, recompute):
     return sum(held.values()), (o, s, torch.autograd.grad(loss, wrt))
 
 
-@pytest.mark.parametrize("case,segment", [(CASES[0], 1), (Case(2, 130, 1, 16, 32), 64)], ids=["varlen", "fixed"])
+@pytest.mark.slow
+@pytest.mark.parametrize("case,segment", [(CASES[0], 1), (Case(1, 70, 1, 16, 16), 64)], ids=["varlen", "fixed"])
 def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients(case, segment, monkeypatch):
     """``recompute=True``: the forward saves nothing beyond its inputs (the default also keeps Aqk and
     A, [TT, H, 64] each, R, [TT, H, V], and the window-start states), and the backward, running the
