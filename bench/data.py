@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn2.data.prepare import prepare  # noqa: E402
-from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer  # noqa: E402
-from gdn2.data import write_shard  # noqa: E402
+from gdn2.data_prep.prepare import prepare  # noqa: E402
+from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer  # noqa: E402
+from gdn2.data.shards import write_shard  # noqa: E402
 
 SYLLABLES = ("ka ti ro ne su ma lo pe di an er in on at es th ch sh qu str pr gr bl ou ea io "
              "ing ed ly tion ment ness able al ic ous").split()
@@ -124,7 +124,7 @@ def bench_encode_ceiling(corpus: Path, tokenizer: Path, max_documents: int = 300
 
 def bench_loader(scratch: Path, batches: int, block_size: int = 4096, micro_batch_size: int = 8) -> list[dict]:
     # Imported here: prepare()'s worker processes re-import this module, and must not pay for torch.
-    from gdn2.data import TrainLoader
+    from gdn2.data.loader import TrainLoader
 
     directory = scratch / "loader_shards"
     directory.mkdir()

@@ -275,7 +275,7 @@ def search(cfg: argparse.Namespace, workdir: Path, deadline: float) -> list[dict
 def write_shards(folder: Path, vocab: int, train_tokens: int, val_tokens: int) -> None:
     import numpy as np
 
-    from gdn2.data import write_shard
+    from gdn2.data.shards import write_shard
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -15,11 +15,11 @@ from typing import Optional, Sequence
 COMMANDS = {
     "pretrain": ("gdn2.train.cli", "main", "train a model from a named config or YAML recipe"),
     "generate": ("gdn2.generation.cli", "main", "generate text from a checkpoint"),
-    "eval": ("gdn2.evaluation.run", "main", "score a checkpoint with lm-eval tasks"),
-    "compare": ("gdn2.evaluation.compare", "main", "compare run folders: table and picture"),
-    "tokenizer": ("gdn2.data.train_tokenizer", "main", "train a SentencePiece tokenizer"),
-    "prepare": ("gdn2.data.prepare", "main", "tokenise a corpus into packed shards"),
-    "corpus": ("gdn2.data.default_corpus", "main", "build the built-in corpus (no download)"),
+    "eval": ("gdn2.eval.run", "main", "score a checkpoint with lm-eval tasks"),
+    "compare": ("gdn2.eval.compare", "main", "compare run folders: table and picture"),
+    "tokenizer": ("gdn2.data_prep.train_tokenizer", "main", "train a SentencePiece tokenizer"),
+    "prepare": ("gdn2.data_prep.prepare", "main", "tokenise a corpus into packed shards"),
+    "corpus": ("gdn2.data_prep.default_corpus", "main", "build the built-in corpus (no download)"),
     "consolidate": ("gdn2.checkpoint", "consolidate_main", "turn a training checkpoint into one model.pt"),
     "hf": ("gdn2.hf.convert", "main", "export a checkpoint as a Hugging Face model folder, or import one"),
 }
@@ -50,6 +50,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     module, function, _ = COMMANDS[command]
     return run(getattr(importlib.import_module(module), function), rest, prog=f"gdn2 {command}")
+
+
+def run_script(command: str) -> None:
+    """The entry of a module that also runs as a script in a checkout (``python data_prep/prepare.py
+    ...``): the same as ``python -m gdn2 <command> ...``."""
+    sys.exit(main([command, *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass, named configs stored as YAML in ``gdn2/configs/`` (package data).
+"""Model configuration: one dataclass, named configs stored as YAML in ``configs/`` (package data
+``gdn2.configs``).
 
 A named config file holds several sections (``model``, ``train``, ``data``, ...); this module reads the
 ``model`` section. The other sections belong to the trainer (``gdn2.train.recipe``).
@@ -7,6 +8,7 @@ A named config file holds several sections (``model``, ``train``, ``data``, ...)
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import types
 import typing
@@ -19,13 +21,13 @@ import yaml
 # The largest head dimension the Triton kernels take (GDN-2 key and value heads, attention heads).
 MAX_HEAD_DIM = 256
 
-# The named configs that ship with the package.
-PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
+# The named configs that ship with the package (the checkout's configs/ folder, installed as gdn2.configs).
+PACKAGE_CONFIGS = Path(str(importlib.resources.files("gdn2.configs")))
 
 
 def config_dirs() -> list[Path]:
     """Folders searched for named configs: ``$GDN2_CONFIG_DIR`` (os.pathsep separated), then the
-    package's own ``gdn2/configs``."""
+    package's own (``configs/``)."""
     dirs = [Path(p) for p in os.environ.get("GDN2_CONFIG_DIR", "").split(os.pathsep) if p]
     return dirs + [PACKAGE_CONFIGS]
 

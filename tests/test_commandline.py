@@ -14,7 +14,7 @@ MICRO = "model: {block_size: 64, vocab_size: 256, n_layer: 2, n_embd: 64, n_head
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from gdn2.data.train_tokenizer import train_tokenizer
+    from gdn2.data_prep.train_tokenizer import train_tokenizer
 
     return train_tokenizer([f"some words number {i} of text" for i in range(300)],
                            tmp_path_factory.mktemp("tok") / "t.model", vocab_size=300)

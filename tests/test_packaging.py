@@ -19,9 +19,9 @@ def test_wheel_install_outside_the_checkout(tmp_path):
                     str(ROOT)], check=True, capture_output=True, text=True)
     (wheel,) = wheels.glob("gdn2-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"gdn2/configs/swa_gdn2_1.3B.yaml", "gdn2/evaluation/tasks/gdn2_local/gdn2_local.yaml",
-            "gdn2/evaluation/tasks/gdn2_local/local_data.py",
-            "gdn2/evaluation/tasks/gdn2_local/data/mc.jsonl"} <= names
+    assert {"gdn2/configs/swa_gdn2_1.3B.yaml", "eval/tasks/gdn2_local/gdn2_local.yaml",
+            "eval/tasks/gdn2_local/local_data.py",
+            "eval/tasks/gdn2_local/data/mc.jsonl"} <= names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, text=True)
@@ -29,7 +29,7 @@ def test_wheel_install_outside_the_checkout(tmp_path):
     away.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GDN2_CONFIG_DIR")}
     env["PYTHONPATH"] = str(target)
-    script = ("import gdn2, gdn2.evaluation as e; from gdn2.config import Config; "
+    script = ("import gdn2, gdn2.eval as e; from gdn2.config import Config; "
               "assert gdn2.__file__.startswith(%r), gdn2.__file__; "
               "print(Config.from_name('swa_gdn2_1.3B').n_layer, (e.LOCAL_TASKS / 'gdn2_local' / 'gdn2_local.yaml').is_file())"
               % str(target))

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from gdn2.data import TrainLoader
+from gdn2.data.loader import TrainLoader
 from gdn2.model import GPT, flops_per_token
 from gdn2.checkpoint import (list_checkpoints, load_checkpoint, resolve_resume, resume_candidates, set_rng_state,
                              supersede_newer)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.data import find_shards, read_manifest
+from gdn2.data.shards import find_shards, read_manifest
 from gdn2.data.shards import PackedShardReader
 from gdn2.layers.float8 import check_device, float8_spec
 from gdn2.layers.fused import set_compiled
@@ -170,7 +170,7 @@ def prepare_default_corpus(recipe: Recipe) -> None:
             raise FileNotFoundError(
                 f"data.train / data.val: {folder} holds no {split}_*.bin shards; data.prepare_default builds only the "
                 f"built-in corpus in {DEFAULT_CORPUS} (prepare other data with python -m gdn2 prepare)")
-        from gdn2.data.default_corpus import build_default_corpus
+        from gdn2.data_prep.default_corpus import build_default_corpus
 
         log.info("no shards in %s: building the built-in corpus (python -m gdn2 corpus --output %s)", folder, folder)
         build_default_corpus(folder)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.data import ValLoader
+from gdn2.data.loader import ValLoader
 from gdn2.model import GPT
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog
@@ -79,7 +79,7 @@ def full_model_copy(fabric, model, config) -> GPT:
 
 def run_lm_eval(fabric, model, recipe: Recipe) -> dict[str, float]:
     """lm-eval tasks (``lm_eval`` section) on the live model; every rank takes part, rank 0 logs."""
-    from gdn2.evaluation import evaluate_model
+    from gdn2.eval.harness import evaluate_model
     from gdn2.checkpoint import find_run_tokenizer
 
     cfg = recipe.lm_eval

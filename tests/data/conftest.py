@@ -63,7 +63,7 @@ def write_fineweb_parquet():
 @pytest.fixture(scope="session")
 def tokenizer_model(tmp_path_factory):
     """A 600-piece Llama-2-style BPE tokenizer trained (once) with the project's trainer."""
-    from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer
+    from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
 
     root = tmp_path_factory.mktemp("tokenizer")
     _write_fineweb_parquet(root / "corpus.parquet", _make_documents(300, seed=99))

@@ -5,8 +5,8 @@ import os
 
 import sentencepiece as spm
 
-from gdn2.data.default_corpus import build_default_corpus, stdlib_sources
-from gdn2.data import TrainLoader, ValLoader
+from gdn2.data_prep.default_corpus import build_default_corpus, stdlib_sources
+from gdn2.data.loader import TrainLoader, ValLoader
 
 
 def test_stdlib_sources_are_deterministic_and_capped():

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from gdn2.data import TrainLoader, ValLoader, document_cu_seqlens, write_shard
+from gdn2.data.loader import TrainLoader, ValLoader, document_cu_seqlens
+from gdn2.data.shards import write_shard
 
 BLOCK = 16
 

@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-import gdn2.data.prepare as prep
-from gdn2.data import PackedShardReader, TrainLoader, ValLoader
+import gdn2.data_prep.prepare as prep
+from gdn2.data.loader import TrainLoader, ValLoader
+from gdn2.data.shards import PackedShardReader
 
 ROOT = Path(__file__).resolve().parents[2]
 VAL_FRACTION = 0.1

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from gdn2.data import PackedShardReader, find_shards, token_dtype_for_vocab, write_shard
+from gdn2.data.shards import PackedShardReader, find_shards, token_dtype_for_vocab, write_shard
 from gdn2.data.shards import HEADER_SIZE, pack_header
 
 

@@ -10,7 +10,7 @@ import sentencepiece as spm
 import zstandard
 from sentencepiece import sentencepiece_model_pb2
 
-from gdn2.data.train_tokenizer import sample_sentences, split_long_line, train_tokenizer
+from gdn2.data_prep.train_tokenizer import sample_sentences, split_long_line, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from gdn2.config import Config
 from gdn2.model import GPT
 
 ROOT = Path(__file__).resolve().parents[2]
-TASK_DATA = ROOT / "gdn2" / "evaluation" / "tasks" / "gdn2_local" / "data"
+TASK_DATA = ROOT / "eval" / "tasks" / "gdn2_local" / "data"
 MAX_LENGTH = 48  # block_size of the test model: short, so rolling windows and truncation happen
 
 
@@ -51,8 +51,8 @@ def artifacts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def lm(artifacts):
     """The lm-eval adapter over the checkpoint, in float64 (exact comparisons), batch size 3."""
-    import gdn2.evaluation  # noqa: F401  registers "gdn2"
-    from gdn2.evaluation import GDN2LM
+    import gdn2.eval.lm  # noqa: F401  registers "gdn2"
+    from gdn2.eval.lm import GDN2LM
 
     folder, _, _ = artifacts
     return GDN2LM(checkpoint=str(folder / "model.pt"), dtype="float64", device="cpu", batch_size=3)

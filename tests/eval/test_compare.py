@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from gdn2.data.prepare import prepare
-from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer
+from gdn2.data_prep.prepare import prepare
+from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
 
-from gdn2.evaluation import compare
+from gdn2.eval import compare
 
 WORDS = "the a of state gate decay memory token model learns slowly quickly with and or to in".split()
 

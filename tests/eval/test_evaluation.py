@@ -10,8 +10,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gdn2.checkpoint import load_model
-import gdn2.evaluation  # noqa: F401  registers "gdn2"
-from gdn2.evaluation import GDN2LM, evaluate_model, summarize
+import gdn2.eval.lm  # noqa: F401  registers "gdn2"
+from gdn2.eval.harness import evaluate_model
+from gdn2.eval.lm import GDN2LM
+from gdn2.eval.results import summarize
 from gdn2.model import GPT
 from decode_helpers import greedy_by_full_forward
 
@@ -117,7 +119,7 @@ def test_generate_until_is_greedy_and_batching_changes_nothing(lm, artifacts):
 def test_simple_evaluate_runs_local_tasks_offline(artifacts):
     import lm_eval
 
-    from gdn2.evaluation import make_task_manager
+    from gdn2.eval.harness import make_task_manager
 
     folder, _, _ = artifacts
     tasks = ["gdn2_local"]
@@ -135,7 +137,7 @@ def test_simple_evaluate_runs_local_tasks_offline(artifacts):
 
 @pytest.mark.slow
 def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
-    from gdn2.evaluation import run
+    from gdn2.eval import run
 
     folder, _, _ = artifacts
     for step in (7, 9):
@@ -160,10 +162,17 @@ def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
         run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "no_such_task", *common])
 
 
-def test_local_tasks_known_to_every_task_manager():
+def test_importing_the_adapter_patches_nothing_and_the_task_manager_knows_local_tasks():
+    """Importing gdn2's lm-eval modules leaves lm-eval as it was (a plain TaskManager does not know the
+    local tasks); the task manager made with gdn2's folder on its include path does."""
     from lm_eval.tasks import TaskManager
 
-    assert {"gdn2_local", "gdn2_local_mc"} <= set(TaskManager(include_defaults=False).all_tasks)
+    import gdn2.eval.harness  # noqa: F401
+    from gdn2.eval.harness import LOCAL_TASKS, make_task_manager
+
+    assert not {"gdn2_local", "gdn2_local_mc"} & set(TaskManager(include_defaults=False).all_tasks)
+    assert {"gdn2_local", "gdn2_local_mc"} <= set(make_task_manager(["gdn2_local"]).all_tasks)
+    assert (LOCAL_TASKS / "gdn2_local" / "gdn2_local.yaml").is_file()
 
 
 def test_summary_average_follows_reference():

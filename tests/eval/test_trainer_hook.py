@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import yaml
 
-from gdn2.data import write_shard
+from gdn2.data.shards import write_shard
 from gdn2.checkpoint import load_model
-from gdn2.evaluation import evaluate_model
+from gdn2.eval.harness import evaluate_model
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe

@@ -1,7 +1,4 @@
-"""gdn2/generation/cli.py: ``python -m gdn2.generation`` and its flags."""
-
-import runpy
-import sys
+"""gdn2/generation/cli.py: ``python -m gdn2 generate`` and its flags."""
 
 import pytest
 
@@ -10,11 +7,10 @@ from gdn2.commandline import run
 from decode_helpers import tiny_decoding_model
 
 
-def test_module_runs_the_command_line(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["gdn2.generation", "--help"])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_module("gdn2.generation", run_name="__main__")
-    assert exit_.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+def test_the_command_line_runs_generate(capsys):
+    from gdn2.__main__ import main
+
+    assert main(["generate", "--help"]) == 0 and "--checkpoint" in capsys.readouterr().out
 
 
 def test_flags_reach_the_generator(monkeypatch):

@@ -50,7 +50,7 @@ torch.save(out, sys.argv[2])
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A consolidated checkpoint (model.pt + tokenizer.model) per tiny config, random weights."""
-    from gdn2.data.train_tokenizer import train_tokenizer
+    from gdn2.data_prep.train_tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("gdn2_ckpt")
     words = "the model learns a state with gates and decay over tokens in every layer".split()
@@ -119,7 +119,7 @@ def test_lm_eval_hf_model_runs_on_the_folder(exported):
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    from gdn2.evaluation import make_task_manager
+    from gdn2.eval.harness import make_task_manager
 
     tasks = ["gdn2_local_mc", "gdn2_local_gen"]
     lm = HFLM(pretrained=str(exported["swa_gdn2_tiny"]), trust_remote_code=True, dtype="float32", device="cpu",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gdn2.checkpoint as checkpoint
-from gdn2.data import write_shard
+from gdn2.data.shards import write_shard
 from gdn2.checkpoint import CorruptCheckpointError, consolidate_main, list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl

@@ -56,7 +56,7 @@ def test_bad_overrides_name_the_key(overrides, key):
 
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
-    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "gdn2" / "configs" / "swa_gdn2_tiny.yaml"))
+    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "configs" / "swa_gdn2_tiny.yaml"))
     data["train"]["learning_rate"] = 1.0
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -70,7 +70,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
 
 
 def test_yaml_numbers_written_as_text_are_numbers(tmp_path):
-    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "gdn2" / "configs" / "swa_gdn2_tiny.yaml"))
+    data = yaml.safe_load(open(Path(__file__).resolve().parents[2] / "configs" / "swa_gdn2_tiny.yaml"))
     data["optimizer"]["lr"] = "4e-4"  # PyYAML reads 4e-4 (no dot) as a string
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(data))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from gdn2.data import write_shard
+from gdn2.data.shards import write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 

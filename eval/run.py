@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from gdn2.evaluation import REFERENCE_AVERAGE, GDN2LM, make_task_manager, summarize
+from gdn2.eval.results import REFERENCE_AVERAGE, summarize
 
 # Columns of the paper's table: (header, task/metric key, scale).
 PAPER_COLUMNS = [
@@ -152,6 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import lm_eval
 
+    from gdn2.eval.harness import make_task_manager, quiet_local_tasks
+    from gdn2.eval.lm import GDN2LM
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks is empty")
@@ -167,9 +170,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)} (neither lm-eval's nor gdn2's local tasks"
                          f"{' nor ' + args.include_path if args.include_path else ''})")
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                      task_manager=manager, bootstrap_iters=args.bootstrap_iters,
-                                      log_samples=args.log_samples)
+    with quiet_local_tasks():
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                                          task_manager=manager, bootstrap_iters=args.bootstrap_iters,
+                                          log_samples=args.log_samples)
     if results is None:  # not rank 0
         return 0
     scored = Path(lm.checkpoint_path).resolve()
@@ -203,3 +207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     print(f"wrote {output / name}.json and .md")
     return 0
+
+
+if __name__ == "__main__":  # in a checkout: python eval/run.py ... = python -m gdn2 eval ...
+    from gdn2.__main__ import run_script
+
+    run_script("eval")

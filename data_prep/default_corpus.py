@@ -26,8 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gdn2.data.prepare import prepare
-from gdn2.data.train_tokenizer import sample_sentences, train_tokenizer
+from gdn2.data_prep.prepare import prepare
+from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.data.shards import read_header
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
@@ -139,5 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # in a checkout: python data_prep/default_corpus.py ... = python -m gdn2 corpus ...
+    from gdn2.__main__ import run_script
+
+    run_script("corpus")

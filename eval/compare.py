@@ -341,5 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # in a checkout: python eval/compare.py ... = python -m gdn2 compare ...
+    from gdn2.__main__ import run_script
+
+    run_script("compare")

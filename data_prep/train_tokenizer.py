@@ -49,7 +49,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from gdn2.data.prepare import Skipped, expand_inputs, plan_units, read_documents
+from gdn2.data_prep.prepare import Skipped, expand_inputs, plan_units, read_documents
 
 LLAMA2_SETTINGS = dict(
     model_type="bpe",
@@ -239,5 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # in a checkout: python data_prep/train_tokenizer.py ... = python -m gdn2 tokenizer ...
+    from gdn2.__main__ import run_script
+
+    run_script("tokenizer")

@@ -1,9 +1,11 @@
-"""lm-eval harness adapter, registered as model ``gdn2``, and gdn2's offline tasks.
+"""The lm-eval harness adapter: a gdn2 GPT as lm-eval's model ``gdn2``.
 
-    import gdn2.evaluation  # registers the model and the local tasks (gdn2_local, ...)
-    lm_eval.simple_evaluate(model="gdn2", model_args="checkpoint=out/run/final/model.pt", tasks=["piqa"])
+    import gdn2.eval.lm  # registers the model name "gdn2" with lm-eval
+    from gdn2.eval.harness import make_task_manager
+    lm_eval.simple_evaluate(model="gdn2", model_args="checkpoint=out/run/final/model.pt", tasks=["piqa"],
+                            task_manager=make_task_manager(["piqa"]))
 
-or from a training loop, with the live model: ``evaluate_model(model, tokenizer, ["gdn2_local"])``.
+or from a training loop, with the live model: ``gdn2.eval.harness.evaluate_model(model, tokenizer, tasks)``.
 
 Scoring conventions:
 - Training documents are tokenised without BOS and follow the previous document's EOS, so every
@@ -21,14 +23,10 @@ Scoring conventions:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import logging
-import math
 import os
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -45,20 +43,7 @@ from gdn2.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GDN2LM", "evaluate_model", "make_task_manager", "summarize", "REFERENCE_AVERAGE", "LOCAL_TASKS"]
-
-# gdn2's own task definitions (package data), offline: every TaskManager knows them once this module
-# is imported.
-LOCAL_TASKS = Path(__file__).resolve().parent / "tasks"
-
-# The paper's Avg: mean of LAMBADA acc and eight reasoning accuracies. acc_norm where the
-# paper's tables use it (HellaSwag, ARC-Challenge) and for OpenBookQA, whose answers differ in length
-# (the usual choice in lm-eval-based reports); plain acc elsewhere.
-REFERENCE_AVERAGE = {
-    "lambada_openai": "acc", "piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc",
-    "arc_easy": "acc", "arc_challenge": "acc_norm", "openbookqa": "acc_norm", "social_iqa": "acc",
-    "boolq": "acc",
-}
+__all__ = ["GDN2LM"]
 
 
 def _as_int(value: Any, name: str, allow_none: bool = True) -> Optional[int]:
@@ -351,120 +336,3 @@ def _distributed_rank_world() -> tuple[int, int]:
         dist.init_process_group(backend=backend)
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-# --------------------------------------------------------------------------------------------------
-# Running tasks
-# --------------------------------------------------------------------------------------------------
-
-def _with_local_tasks(include_path: Any) -> list[str]:
-    paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) \
-        else [include_path]
-    paths = [str(p) for p in paths]
-    if not any(Path(p).resolve() == LOCAL_TASKS for p in paths):
-        paths.append(str(LOCAL_TASKS))
-    return paths
-
-
-def _register_local_tasks() -> None:
-    """lm-eval has no registry of task folders: every TaskManager made after this gets ours on its
-    include path, so ``lm_eval.simple_evaluate(tasks=["gdn2_local"])`` works without one."""
-    from lm_eval.tasks import TaskManager
-
-    init = TaskManager.__init__
-    if getattr(init, "_gdn2_local_tasks", False):
-        return
-    signature = inspect.signature(init)
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["include_path"] = _with_local_tasks(bound.arguments.get("include_path"))
-        init(*bound.args, **bound.kwargs)
-
-    __init__._gdn2_local_tasks = True  # type: ignore[attr-defined]
-    TaskManager.__init__ = __init__
-
-
-class _QuietLocalTasks(logging.Filter):
-    """Our tasks load their data through ``custom_dataset``; lm-eval then advises passing custom kwargs,
-    which these tasks do not take: drop that advice for them only."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("gdn2_local") and "Custom kwargs can be passed" in message)
-
-
-_register_local_tasks()
-logging.getLogger("lm_eval.api.task").addFilter(_QuietLocalTasks())
-
-
-def make_task_manager(tasks: Sequence[str], include_path: Union[str, os.PathLike, None] = None):
-    """A TaskManager that knows ``tasks`` (``include_path``: folders of extra task YAMLs; gdn2's own are
-    always included): only the local folders when they define them all (indexing lm-eval's own task
-    library takes half a minute), else the library too."""
-    from lm_eval.tasks import TaskManager
-
-    local = TaskManager(include_path=include_path, include_defaults=False)
-    if all(t in local.all_tasks for t in tasks):
-        return local
-    return TaskManager(include_path=include_path)
-
-
-def summarize(results: dict) -> dict[str, float]:
-    """Flatten lm-eval results into ``{"task/metric": value}`` (filter 'none' dropped, stderr left out),
-    plus ``avg`` (the paper's average) when all its nine tasks are present."""
-    flat: dict[str, float] = {}
-    for task, metrics in results.get("results", {}).items():
-        for key, value in metrics.items():
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or "_stderr" in key
-                    or key.startswith("sample_len")):
-                continue
-            metric, _, filt = key.partition(",")
-            name = metric if filt in ("", "none") else f"{metric},{filt}"
-            flat[f"{task}/{name}"] = float(value)
-    picked = [flat.get(f"{t}/{m}") for t, m in REFERENCE_AVERAGE.items()]
-    if all(v is not None and not math.isnan(v) for v in picked):
-        flat["avg"] = float(sum(picked) / len(picked))  # type: ignore[arg-type]
-    return flat
-
-
-def evaluate_model(model: GPT, tokenizer: Union[Tokenizer, str, os.PathLike], tasks: Union[str, Sequence[str]],
-                   limit: Optional[Union[int, float]] = None,
-                   include_path: Union[str, os.PathLike, None] = None, batch_size: int = 8,
-                   max_length: Optional[int] = None, num_fewshot: Optional[int] = None,
-                   bootstrap_iters: int = 0, return_raw: bool = False) -> dict[str, Any]:
-    """Evaluate a live model on lm-eval tasks; returns ``{"task/metric": value, ..., "avg": ...}``.
-
-    model: a plain (unwrapped, unsharded) GPT on its device; it is put in eval mode and given back in
-    the mode it came in. Under an initialised process group every rank must call this (requests are
-    split across ranks) and every rank receives the same dictionary. ``limit``: examples per task
-    (int) or fraction (float). ``bootstrap_iters=0`` skips bootstrap standard errors (fast).
-    ``return_raw``: also return lm-eval's full results under ``"raw"``.
-    """
-    import lm_eval
-
-    if isinstance(tasks, str):
-        tasks = [t for t in tasks.split(",") if t]
-    if not tasks:
-        raise ValueError("tasks: give at least one task name")
-    lm = GDN2LM(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    manager = make_task_manager(tasks, include_path)
-    was_training = model.training
-    model.eval()
-    try:
-        raw = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
-                                      task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters)
-    finally:
-        model.train(was_training)
-        lm.release()
-    summary: dict[str, Any] = summarize(raw) if raw is not None else {}
-    if return_raw and raw is not None:
-        summary["raw"] = raw
-    if lm.world_size > 1:
-        import torch.distributed as dist
-
-        box = [summary]
-        dist.broadcast_object_list(box, src=0)
-        summary = box[0]
-    return summary

@@ -927,5 +927,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if manifest is not None else EXIT_INCOMPLETE
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # in a checkout: python data_prep/prepare.py ... = python -m gdn2 prepare ...
+    from gdn2.__main__ import run_script
+
+    run_script("prepare")
