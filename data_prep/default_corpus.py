@@ -28,7 +28,8 @@ from pathlib import Path
 
 from gdn2.data_prep.prepare import prepare
 from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
-from gdn2.data.shards import read_header
+from gdn2.data.shards import MANIFEST_NAME, read_header
+from gdn2.files import atomic_file
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
 DEFAULT_MAX_BYTES = 6_000_000
@@ -68,11 +69,9 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
 
 def write_corpus(path: Path, max_bytes: int) -> dict:
     documents = stdlib_sources(max_bytes)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path, "w", encoding="utf-8") as f:
         for rel, text in documents:
             f.write(json.dumps({"text": text, "id": f"stdlib/{rel}"}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return {"documents": len(documents), "bytes": sum(len(t.encode()) for _, t in documents)}
 
 
@@ -80,7 +79,7 @@ def _finished_manifest(output: Path) -> dict | None:
     """The manifest of a finished corpus whose shards are all in place, else None. Checked by
     content rather than by prepare's input fingerprint, so that a copied directory (new mtimes)
     still counts as finished."""
-    path = output / "manifest.json"
+    path = output / MANIFEST_NAME
     if not path.exists():
         return None
     manifest = json.loads(path.read_text())

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, pack_header, read_header, token_dtype_for_vocab
-from gdn2.durable import fsync_dir
+from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, token_dtype_for_vocab
+from gdn2.files import file_sha256, fsync_dir, write_json_atomic
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -70,7 +70,6 @@ ENCODE_BATCH_DOCS = 256
 
 JOURNAL_NAME = ".prepare_journal.json"
 TMP_DIR_NAME = ".prepare_tmp"
-MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 SKIP_REASONS = ("empty", "undecodable", "missing_text", "bad_json")
 MAX_SKIP_EXAMPLES = 5
@@ -468,18 +467,6 @@ def _encode_unit_task(args: tuple) -> dict:
 # Output: shard writer and journal
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON so that a crash leaves either the old file or the new one, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def shard_name(prefix: str, index: int) -> str:
     return f"{prefix}_{index:010d}.bin"
 
@@ -591,14 +578,6 @@ class ShardWriter:
 
 # ----------------------------------------------------------------------------------------------
 # The job
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_tokenizer_info(tokenizer: Path, dtype: str) -> dict:

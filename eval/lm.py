@@ -36,7 +36,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from gdn2.checkpoint import load_model, parse_dtype
+from gdn2.checkpoint.load import load_model, parse_dtype
 from gdn2.generation import Generator, SamplingParams
 from gdn2.model import GPT
 from gdn2.tokenizer import Tokenizer

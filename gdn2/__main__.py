@@ -20,7 +20,7 @@ COMMANDS = {
     "tokenizer": ("gdn2.data_prep.train_tokenizer", "main", "train a SentencePiece tokenizer"),
     "prepare": ("gdn2.data_prep.prepare", "main", "tokenise a corpus into packed shards"),
     "corpus": ("gdn2.data_prep.default_corpus", "main", "build the built-in corpus (no download)"),
-    "consolidate": ("gdn2.checkpoint", "consolidate_main", "turn a training checkpoint into one model.pt"),
+    "consolidate": ("gdn2.checkpoint.consolidate", "main", "turn a training checkpoint into one model.pt"),
     "hf": ("gdn2.hf.convert", "main", "export a checkpoint as a Hugging Face model folder, or import one"),
 }
 

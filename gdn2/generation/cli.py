@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from gdn2.checkpoint import load_model
+from gdn2.checkpoint.load import load_model
 from gdn2.generation.generator import Generator
 from gdn2.generation.sampling import SamplingParams
 from gdn2.tokenizer import TOKENIZER_FILE

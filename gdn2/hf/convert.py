@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from gdn2.checkpoint import DTYPES, file_sha256, read_checkpoint
+from gdn2.files import file_sha256
+from gdn2.checkpoint.load import DTYPES, read_checkpoint
 from gdn2.config import Config
 
 AUTO_MAP = {"AutoConfig": "configuration_gdn2.GDN2Config", "AutoModelForCausalLM": "modeling_gdn2.GDN2ForCausalLM"}

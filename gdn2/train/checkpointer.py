@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from gdn2.checkpoint import rng_state, save_checkpoint
+from gdn2.checkpoint.state import rng_state, save_checkpoint
+from gdn2.train.fabric_api import unwrap
 from gdn2.train.schedule import due
 
 log = logging.getLogger("gdn2.train")
@@ -26,7 +27,7 @@ class Checkpointer:
 
     def save(self) -> Path:
         c = self.recipe.checkpoint
-        trainer = {"model": self.model, "optimizer": self.optimizer, "trainer": self.state.state_dict()}
+        trainer = {"model": unwrap(self.model), "optimizer": unwrap(self.optimizer), "trainer": self.state.state_dict()}
         started = time.perf_counter()
         try:
             self.last = save_checkpoint(

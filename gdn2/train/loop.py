@@ -17,11 +17,13 @@ from typing import Optional
 
 import torch
 
+from gdn2.checkpoint.format import list_checkpoints
+from gdn2.checkpoint.resume import resolve_resume, resume_candidates, supersede_newer
+from gdn2.checkpoint.state import load_checkpoint, set_rng_state
 from gdn2.data.loader import TrainLoader
 from gdn2.model import GPT, flops_per_token
-from gdn2.checkpoint import (list_checkpoints, load_checkpoint, resolve_resume, resume_candidates, set_rng_state,
-                             supersede_newer)
 from gdn2.train.checkpointer import Checkpointer
+from gdn2.train.fabric_api import unwrap
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
 from gdn2.train.profile import StepProfiler
@@ -207,7 +209,7 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
     state = TrainState()
     if resume_path is not None:
         loading = time.perf_counter()
-        trainer_state, extras = load_checkpoint(fabric, resume_path, model, optimizer)
+        trainer_state, extras = load_checkpoint(fabric, resume_path, unwrap(model), unwrap(optimizer))
         load_seconds = time.perf_counter() - loading
         state.load_state_dict(trainer_state)
         train_loader.load_state_dict(extras["data"])

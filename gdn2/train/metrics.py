@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from gdn2.files import atomic_file, write_text_atomic
+
 # Dense (no structured sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s per
 # device. First match wins, so more specific names come first. Lightning's own table lists the
 # sparse figures for Hopper, which would halve every MFU.
@@ -169,12 +171,10 @@ def _truncate_csv_after(path: Path, step: int) -> None:
         rows = list(csv.DictReader(f))
         fields = list(rows[0].keys()) if rows else []
     kept = [r for r in rows if r.get("step") not in (None, "") and int(float(r["step"])) <= step]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_file(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(kept)
-    os.replace(tmp, path)
 
 
 def _truncate_jsonl_after(path: Path, step: int) -> None:
@@ -187,9 +187,7 @@ def _truncate_jsonl_after(path: Path, step: int) -> None:
                 continue  # a line cut by a crash
             if record.get("step", 0) <= step:
                 kept.append(json.dumps(record))
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(k + "\n" for k in kept))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

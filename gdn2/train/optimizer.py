@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from gdn2.checkpoint import bare_parameter_name
+from gdn2.checkpoint.format import bare_parameter_name
 from gdn2.train.recipe import OptimizerConfig
 
 def no_weight_decay_names(model: nn.Module) -> set[str]:

@@ -19,7 +19,7 @@ from gdn2.data.shards import PackedShardReader
 from gdn2.layers.float8 import check_device, float8_spec
 from gdn2.layers.fused import set_compiled
 from gdn2.model import GPT, Block, flops_per_token
-from gdn2.checkpoint import read_checkpoint_config, read_marker
+from gdn2.checkpoint.format import read_checkpoint_config, read_marker
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
 from gdn2.train.recipe import Recipe
 from gdn2.train.slurm import Topology, resolve_topology

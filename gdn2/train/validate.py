@@ -14,7 +14,7 @@ from gdn2.data.loader import ValLoader
 from gdn2.model import GPT
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog
-from gdn2.checkpoint import bare_parameter_name
+from gdn2.checkpoint.format import bare_parameter_name
 from gdn2.train.recipe import Recipe
 from gdn2.train.schedule import due
 from gdn2.train.setup import is_fsdp
@@ -80,7 +80,7 @@ def full_model_copy(fabric, model, config) -> GPT:
 def run_lm_eval(fabric, model, recipe: Recipe) -> dict[str, float]:
     """lm-eval tasks (``lm_eval`` section) on the live model; every rank takes part, rank 0 logs."""
     from gdn2.eval.harness import evaluate_model
-    from gdn2.checkpoint import find_run_tokenizer
+    from gdn2.checkpoint.consolidate import find_run_tokenizer
 
     cfg = recipe.lm_eval
     tokenizer = cfg.tokenizer or find_run_tokenizer(recipe.sections_dict(), [Path.cwd()])

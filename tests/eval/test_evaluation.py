@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gdn2.checkpoint import load_model
+from gdn2.checkpoint.load import load_model
 import gdn2.eval.lm  # noqa: F401  registers "gdn2"
 from gdn2.eval.harness import evaluate_model
 from gdn2.eval.lm import GDN2LM

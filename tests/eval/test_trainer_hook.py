@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from gdn2.data.shards import write_shard
-from gdn2.checkpoint import load_model
+from gdn2.checkpoint.load import load_model
 from gdn2.eval.harness import evaluate_model
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gdn2.checkpoint import load_model
+from gdn2.checkpoint.load import load_model
 from gdn2.config import Config
 from gdn2.hf.convert import export, import_folder, main
 from gdn2.model import GPT

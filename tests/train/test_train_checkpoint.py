@@ -8,10 +8,12 @@ import yaml
 
 from gdn2.config import Config
 from gdn2.model import GPT
-import gdn2.checkpoint as checkpoint
-from gdn2.train.fabric_api import Fabric
-from gdn2.checkpoint import (MARKER, consolidate_checkpoint, list_checkpoints, load_checkpoint,
-                                   prune_checkpoints, resolve_resume, save_checkpoint)
+import gdn2.checkpoint.state as checkpoint
+from gdn2.train.fabric_api import Fabric, unwrap
+from gdn2.checkpoint.consolidate import consolidate_checkpoint
+from gdn2.checkpoint.format import MARKER, list_checkpoints
+from gdn2.checkpoint.resume import prune_checkpoints, resolve_resume
+from gdn2.checkpoint.state import load_checkpoint, save_checkpoint
 from train_helpers import MICRO_MODEL
 
 
@@ -36,7 +38,8 @@ def train_a_step(model, optimizer):
 
 
 def save(fabric, model, optimizer, root, step, **kw):
-    return save_checkpoint(fabric, root, step, {"model": model, "optimizer": optimizer, "trainer": {"step": step}},
+    state = {"model": unwrap(model), "optimizer": unwrap(optimizer), "trainer": {"step": step}}
+    return save_checkpoint(fabric, root, step, state,
                            rank_state={"data": {"n": step}}, config_yaml=kw.pop("config_yaml", "model: {}\n"),
                            info={"tokens": step * 10}, keep_last=kw.pop("keep_last", 3), **kw)
 
@@ -60,7 +63,7 @@ def test_save_load_roundtrip_and_resume_resolution(tmp_path, sharded):
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
     train_a_step(model, optimizer)  # move away, then restore
-    trainer, extras = load_checkpoint(fabric, second, model, optimizer)
+    trainer, extras = load_checkpoint(fabric, second, unwrap(model), unwrap(optimizer))
     assert trainer == {"step": 2} and extras == {"data": {"n": 2}}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=0, atol=0)
@@ -145,7 +148,7 @@ def test_a_one_file_checkpoint_of_the_earlier_format_still_resumes_on_one_device
     (path / MARKER).write_text(json.dumps(marker))
     expected = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
     fresh_fabric, fresh, fresh_opt = make_fabric_model()
-    trainer, _ = load_checkpoint(fresh_fabric, path, fresh, fresh_opt)
+    trainer, _ = load_checkpoint(fresh_fabric, path, unwrap(fresh), unwrap(fresh_opt))
     assert trainer == {"step": 3}
     for a, b in zip(fresh.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -8,7 +8,7 @@ import torch
 from gdn2.config import Config
 from gdn2.model import GPT
 from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
-from gdn2.checkpoint import bare_parameter_name
+from gdn2.checkpoint.format import bare_parameter_name
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names, parameter_groups
 from gdn2.train.recipe import OptimizerConfig
 from gdn2.train.schedule import cosine_with_warmup

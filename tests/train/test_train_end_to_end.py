@@ -14,7 +14,8 @@ import torch
 import gdn2.train.loop as loop
 from gdn2.config import Config
 from gdn2.model import GPT
-from gdn2.checkpoint import consolidate_main, list_checkpoints, read_marker
+from gdn2.checkpoint.consolidate import main as consolidate_main
+from gdn2.checkpoint.format import list_checkpoints, read_marker
 from gdn2.train.loop import NonFiniteLossError, fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -117,7 +118,7 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
 # The trainer killed (like kill -9) after writing step 4's data and before its marker.
 CRASH_IN_SAVE = """
 import os, sys
-import gdn2.checkpoint as checkpoint
+import gdn2.checkpoint.state as checkpoint
 from gdn2.commandline import run
 from gdn2.train.cli import main
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-import gdn2.checkpoint as checkpoint
+import gdn2.checkpoint.format as checkpoint
 from gdn2.data.shards import write_shard
-from gdn2.checkpoint import CorruptCheckpointError, consolidate_main, list_checkpoints
+from gdn2.checkpoint.consolidate import main as consolidate_main
+from gdn2.checkpoint.format import CorruptCheckpointError, list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -161,7 +162,7 @@ def test_a_full_disk_during_a_save_names_the_last_good_checkpoint(corpus, tmp_pa
 
 
 def test_a_damaged_consolidated_model_is_named_when_loaded(saved_run):
-    from gdn2.checkpoint import load_model
+    from gdn2.checkpoint.load import load_model
 
     _, out = saved_run
     assert consolidate_main([str(out / "checkpoints")]) == 0

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from gdn2.checkpoint import list_checkpoints
+from gdn2.checkpoint.format import list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
