@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 from gdn2.config import Config  # noqa: E402
 from gdn2.generation import CapturedDecodeStep, Generator  # noqa: E402
-from gdn2.inference import (DecodeWeights, InferenceCache, compiled_block_step, decode_step,  # noqa: E402
-                            prefill)
+from gdn2.generation.cache import InferenceCache  # noqa: E402
+from gdn2.generation.decode import DecodeWeights, compiled_block_step, decode_step, prefill  # noqa: E402
 from gdn2.model import GPT  # noqa: E402
 
 START = time.time()

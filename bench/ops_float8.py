@@ -32,13 +32,14 @@ sys.path.insert(0, str(ROOT))
 
 def kept_in_bf16(config, spec) -> set:
     """The (in, out) shapes ``train.float8`` leaves in bf16, read off the model: the projections
-    :meth:`gdn2.model.GPT.set_float8` does not mark (the head, the GDN-2 gates' low-rank ups)."""
-    from gdn2.layers.init import Linear
+    :func:`gdn2.options.apply_options` does not mark (the head, the GDN-2 gates' low-rank ups)."""
     from gdn2.model import GPT
+    from gdn2.modules import Linear
+    from gdn2.options import ModelOptions, apply_options
 
     with torch.device("meta"):
         model = GPT(config)
-    model.set_float8(spec)
+    apply_options(model, ModelOptions(float8=spec))
     return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear) and m.float8 is None}
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     import triton.testing
     from profiling import write_report
 
-    from gdn2.layers.float8 import float8_spec
+    from gdn2.float8 import float8_spec
     from gdn2.train.recipe import load_recipe
 
     config = load_recipe(args.config).model

@@ -75,7 +75,7 @@ def main() -> None:
     import triton.testing
     from profiling import write_report
 
-    from gdn2.layers import fused
+    from gdn2 import stages as elementwise
     from gdn2.layers.attention import rope_tables
     from gdn2.ops import rope_qkv, rope_qkv_reference, swiglu_joined, swiglu_joined_reference
 
@@ -111,25 +111,25 @@ def main() -> None:
     # 2. times
     def rope_split():
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        return (fused.apply_rope(q.reshape(B, T, H, D), cos, sin), fused.apply_rope(k.reshape(B, T, Hkv, D), cos, sin),
+        return (elementwise.apply_rope(q.reshape(B, T, H, D), cos, sin), elementwise.apply_rope(k.reshape(B, T, Hkv, D), cos, sin),
                 v.reshape(B, T, Hkv, D).contiguous())
 
-    fused.set_compiled(True)
+    elementwise.set_compiled(True)
     stages = {
         "RoPE q|k|v": ([qkv], d_qkv, {
             "ours (Triton)": lambda: rope_qkv(qkv, cos, sin, H, Hkv, backend="triton"),
-            "joint stage, compiled": lambda: fused.rope_qkv_stage(qkv, cos, sin, H, Hkv),
+            "joint stage, compiled": lambda: elementwise.rope_qkv_stage(qkv, cos, sin, H, Hkv),
             "split form, compiled": rope_split,
         }),
         "SwiGLU gate|up": ([gu], [d_h], {
             "ours (Triton)": lambda: swiglu_joined(gu, backend="triton"),
-            "joint stage, compiled": lambda: fused.swiglu_joined_stage(gu),
-            "split form, compiled": lambda: fused.swiglu(*gu.chunk(2, dim=-1)),
+            "joint stage, compiled": lambda: elementwise.swiglu_joined_stage(gu),
+            "split form, compiled": lambda: elementwise.swiglu(*gu.chunk(2, dim=-1)),
         }),
     }
     for stage, (inputs, grads, variants) in stages.items():
         report["times_ms"][stage] = {name: _time(fn, inputs, grads) for name, fn in variants.items()}
-    fused.set_compiled(False)
+    elementwise.set_compiled(False)
     copy_src = torch.empty(B * T * C * 2, device=dev, dtype=torch.uint8)
     copy_dst = torch.empty_like(copy_src)
     copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), warmup=25, rep=100)

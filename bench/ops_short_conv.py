@@ -96,7 +96,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: this benchmark needs a GPU")
     import triton.testing
 
-    from gdn2.layers import fused
+    from gdn2 import stages as elementwise
     from gdn2.ops import short_conv_silu, short_conv_silu_reference
 
     B, T, C, W = args.batch, args.seq_len, args.channels, args.row_width
@@ -126,11 +126,11 @@ def main() -> None:
 
     # 2. times
     x = wide[..., :C].detach().requires_grad_(True)
-    fused.set_compiled(True)
+    elementwise.set_compiled(True)
     variants = {
         "ours (Triton)": lambda: short_conv_silu(x, weight, None, backend="triton"),
-        "torch stage, compiled": lambda: fused.causal_conv_silu(x, weight, None, None),
-        "torch stage, eager": lambda: fused.causal_conv_silu.eager(x, weight, None, None),
+        "torch stage, compiled": lambda: elementwise.causal_conv_silu(x, weight, None, None),
+        "torch stage, eager": lambda: elementwise.causal_conv_silu.eager(x, weight, None, None),
     }
     dy = torch.randn(B, T, C, device=dev, dtype=torch.bfloat16)
     for name, fn in variants.items():
@@ -143,7 +143,7 @@ def main() -> None:
 
         both = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=[x, weight])
         report["times_ms"][name] = {"forward": fwd, "forward_backward": both}
-    fused.set_compiled(False)
+    elementwise.set_compiled(False)
     copy_src = torch.empty(B * T * C * 4, device=dev, dtype=torch.uint8)
     copy_dst = torch.empty_like(copy_src)
     copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), warmup=25, rep=100)

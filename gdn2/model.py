@@ -1,14 +1,17 @@
 """The GPT: token embedding, pre-norm blocks (GDN-2 or attention mixer + SwiGLU MLP), final norm, head.
 
 lit-gpt naming: ``transformer.wte``, ``transformer.h``, ``transformer.ln_f``, ``lm_head``. The
-forward here is training and scoring; prefill, cached decoding and their fused weights are in
-:mod:`gdn2.inference`, on the same blocks and layers.
+forward here is training and scoring; prefill and cached decoding (``gdn2.generation``) run the same
+blocks through :meth:`Block.branches`, with each layer's cache and the blocks' decode layout
+(:class:`BlockWeights`). Training options (fused loss, grouped projections, float8, recompute,
+compilation) are set on a model by one function, :func:`gdn2.options.apply_options`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -16,18 +19,15 @@ import torch.nn.functional as F
 
 from gdn2.config import Config
 from gdn2.layers.attention import AttentionCache, CausalSelfAttention
-from gdn2.layers.decoding import DecodeContext
-from gdn2.layers.fused import grouped_linear, swiglu, swiglu_joined, swiglu_joined_stage
-from gdn2.layers.gdn2 import GatedDeltaNet2, GDN2Cache
-from gdn2.layers.init import Embedding, Linear, RMSNorm
-from gdn2.layers.loss import cross_entropy_fp32, linear_cross_entropy
-from gdn2.layers.packed import PackedPrompts
+from gdn2.layers.gdn2 import FusedGDN2, GatedDeltaNet2, GDN2Cache
+from gdn2.layout import TokenLayout, positions_in_documents
+from gdn2.linear import grouped_linear
+from gdn2.loss import cross_entropy_fp32, linear_cross_entropy
+from gdn2.modules import Embedding, Linear, RMSNorm
+from gdn2.ops import swiglu_joined
+from gdn2.stages import swiglu, swiglu_joined_stage
 
-if TYPE_CHECKING:
-    from gdn2.inference import BlockWeights
-    from gdn2.layers.float8 import Float8Spec
-
-__all__ = ["GPT", "Block", "MLP", "flops_per_token", "positions_in_documents"]
+__all__ = ["GPT", "Block", "BlockWeights", "MLP", "flops_per_token"]
 
 
 class MLP(nn.Module):
@@ -39,7 +39,7 @@ class MLP(nn.Module):
         self.w1 = Linear(d, i, std=0.02)
         self.w2 = Linear(d, i, std=0.02)
         self.w3 = Linear(i, d, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.grouped_projections = False  # see GPT.set_grouped_projections
+        self.grouped_projections = False  # set by gdn2.options.apply_options
 
     def forward(self, x: torch.Tensor, fused_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``fused_in``: a copy of the rows of w1 then w2 (decoding), one GEMM for both. Decoding keeps
@@ -48,7 +48,8 @@ class MLP(nn.Module):
         if fused_in is not None:
             h = swiglu_joined_stage(F.linear(x, fused_in))
         elif self.grouped_projections:
-            h = swiglu_joined(grouped_linear(x, (self.w1, self.w2)))
+            # the Triton kernel where the pointwise operator's backend is Triton (CUDA), else the compiled stage
+            h = swiglu_joined(grouped_linear(x, (self.w1, self.w2)), torch_path=swiglu_joined_stage)
         else:
             h = swiglu(self.w1(x), self.w2(x))
         return self.w3(h)
@@ -66,35 +67,62 @@ class Block(nn.Module):
         self.norm_2 = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                pos_in_doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """x [B,T,d] -> [B,T,d] (training and scoring; with a cache, see :meth:`branches`)."""
-        x, delta = self.branches(x, positions, cu_seqlens, pos_in_doc)
+        x, delta = self.branches(x, layout)
         return x + delta
 
-    def branches(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                 pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[Union[GDN2Cache, AttentionCache]] = None,
-                 packed: Optional[PackedPrompts] = None, step: Optional[DecodeContext] = None,
+    def branches(self, x: torch.Tensor, layout: TokenLayout, cache: Optional[Union[GDN2Cache, AttentionCache]] = None,
                  fused: Optional["BlockWeights"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block as ``(x + mixer output, mlp output)``, whose sum is its output: a decode step
-        keeps them apart so that the add lands in the next norm's kernel. ``cache``, ``packed``,
-        ``step`` go to the mixer (see the layers); ``fused``: this block's decode-weight copies."""
+        keeps them apart so that the add lands in the next norm's kernel. ``layout`` and ``cache`` go to
+        the mixer (see the layers); ``fused``: this block's decode layout (:meth:`decode_weights`)."""
         h = self.norm_1(x)
         if self.kind == "gdn2":
-            h = self.mixer(h, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc, cache=cache, packed=packed is not None,
-                           fused=None if fused is None else fused.mixer)
+            h = self.mixer(h, layout, cache=cache, fused=None if fused is None else fused.mixer)
         else:
-            h = self.mixer(h, positions, cu_seqlens=cu_seqlens, cache=cache, packed=packed, step=step)
+            h = self.mixer(h, layout, cache=cache)
         x, h = self.norm_2.add_forward(x, h)
         return x, self.mlp(h, None if fused is None else fused.mlp_in)
 
+    def decode_weights(self) -> "BlockWeights":
+        """New copies of this block's weights in the decode layout."""
+        return BlockWeights.of(self)
 
-def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total] position of every token inside its document, from document offsets ``cu_seqlens``."""
-    idx = torch.arange(total, device=cu_seqlens.device)
-    starts = cu_seqlens[:-1].long()
-    doc = torch.searchsorted(starts, idx, right=True) - 1
-    return idx - starts[doc]
+
+@dataclass
+class BlockWeights:
+    """One block's decode layout: copies of its MLP's w1 | w2 as one matrix and of its GDN-2 layer's input
+    projections (:class:`gdn2.layers.gdn2.FusedGDN2`), for few-token steps (``gdn2.generation.DecodeWeights``)."""
+
+    mlp_in: torch.Tensor  # [2 * intermediate_size, d]: the rows of w1 | w2
+    mixer: Optional[FusedGDN2] = None  # GDN-2 blocks; attention's qkv is one matrix already
+
+    @classmethod
+    def of(cls, block: "Block") -> "BlockWeights":
+        w1, w2 = block.mlp.w1.weight, block.mlp.w2.weight
+        if w1.dtype != w2.dtype or w1.device != w2.device:
+            raise ValueError(f"mlp: w1.weight ({w1.dtype}, {w1.device}) and w2.weight ({w2.dtype}, {w2.device}) "
+                             "differ in dtype or device")
+        fused = cls(w1.new_empty(w1.shape[0] + w2.shape[0], w1.shape[1]),
+                    block.mixer.decode_weights() if block.kind == "gdn2" else None)
+        fused.copy_from(block)
+        return fused
+
+    @torch.no_grad()
+    def copy_from(self, block: "Block") -> None:
+        torch.cat([block.mlp.w1.weight, block.mlp.w2.weight], dim=0, out=self.mlp_in)
+        if self.mixer is not None:
+            self.mixer.copy_from(block.mixer)
+
+    @staticmethod
+    def sources(block: "Block") -> list[torch.Tensor]:
+        """The parameters :meth:`copy_from` copies."""
+        mixer = FusedGDN2.sources(block.mixer) if block.kind == "gdn2" else []
+        return mixer + [block.mlp.w1.weight, block.mlp.w2.weight]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.mlp_in] + ([] if self.mixer is None else self.mixer.tensors())
 
 
 class GPT(nn.Module):
@@ -107,7 +135,7 @@ class GPT(nn.Module):
             ln_f=RMSNorm(config.n_embd, eps=config.norm_eps),
         ))
         self.lm_head = Linear(config.n_embd, config.vocab_size, std=0.02)
-        self.fused_loss = False  # see forward
+        self.fused_loss = False  # see forward; set by gdn2.options.apply_options
 
     def forward(self, idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_chunk_tokens: int = 8192) -> torch.Tensor:
@@ -116,7 +144,7 @@ class GPT(nn.Module):
 
         ``cu_seqlens``: int 1-D document offsets over the flattened B*T tokens (every row start
         included) for document masking: GDN-2 state, short conv, RoPE positions and attention all
-        restart at each document. ``fused_loss`` (attribute; off for a bare model, on in training by
+        restart at each document. ``fused_loss`` (off for a bare model, on in training by
         ``train.fused_loss``): the loss straight from the final hidden states and the head's weight
         (``linear_cross_entropy``), so the logits never exist whole.
         """
@@ -131,8 +159,9 @@ class GPT(nn.Module):
             x = x.reshape(1, B * T, -1)  # the operators take packed documents as one batch row
             pos_in_doc = positions_in_documents(cu_seqlens, B * T)
         positions = pos_in_doc if pos_in_doc is not None else torch.arange(T, device=idx.device)
+        layout = TokenLayout(positions, cu_seqlens, pos_in_doc)
         for block in self.transformer.h:
-            x = block(x, positions, cu_seqlens=cu_seqlens, pos_in_doc=pos_in_doc)
+            x = block(x, layout)
         x = self.transformer.ln_f(x).reshape(B, T, -1)
         if labels is not None and self.fused_loss:
             return linear_cross_entropy(x, self.lm_head.weight, labels, loss_chunk_tokens)
@@ -140,39 +169,6 @@ class GPT(nn.Module):
         if labels is not None:
             return cross_entropy_fp32(logits, labels, loss_chunk_tokens)
         return logits
-
-    def set_grouped_projections(self, enabled: bool) -> None:
-        """Run the projections that read one input (a GDN-2 layer's seven, the MLP's two) as one GEMM
-        over their stacked weights, and one for each gradient (off for a bare model, on in training by
-        ``train.grouped_projections``). Same values up to the GEMMs' summation order."""
-        for module in self.modules():
-            if hasattr(module, "grouped_projections"):
-                module.grouped_projections = bool(enabled)
-
-    def set_recompute(self, enabled: bool) -> None:
-        """Let each GDN-2 layer's training forward drop what its backward can cheaply rebuild: the short
-        convolutions' outputs, the decay's full-rank projection, the gates, the output gate and the gated
-        norm, and the GDN-2 operator's chunk intermediates, kept for the backward otherwise (off for a bare
-        model; ``train.recompute`` in training). The same values and gradients; the rebuild runs again what
-        made them, once per layer and step."""
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet2):
-                module.recompute = bool(enabled)
-
-    def set_float8(self, spec: Optional["Float8Spec"]) -> None:
-        """Run the blocks' projections in float8 (``spec`` from :func:`gdn2.layers.float8.float8_spec`;
-        None: back to the autocast dtype): every block projection that :func:`gdn2.layers.float8.eligible`
-        admits, grouped ones as one float8 GEMM, except the GDN-2 gates' low-rank up-projections (their
-        GEMMs reduce over the gate rank only). The output head keeps its GEMMs (off for a bare model;
-        ``train.float8`` in training)."""
-        from gdn2.layers.float8 import eligible
-
-        low_rank_ups = {id(lin) for m in self.transformer.h.modules() if isinstance(m, GatedDeltaNet2)
-                        for lin in (m.f_proj[1], m.g_proj[1])}
-        for module in self.transformer.h.modules():
-            if isinstance(module, Linear):
-                on = spec is not None and eligible(module) and id(module) not in low_rank_ups
-                module.float8 = spec if on else None
 
     def num_parameters(self, blocks_only: bool = False) -> int:
         module = self.transformer.h if blocks_only else self

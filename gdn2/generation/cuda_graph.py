@@ -6,14 +6,15 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.inference import DecodePieces, DecodeWeights, InferenceCache, decode_step
+from gdn2.generation.cache import InferenceCache
+from gdn2.generation.decode import DecodePieces, DecodeWeights, decode_step
 from gdn2.model import GPT
 
 __all__ = ["CapturedDecodeStep"]
 
 
 class CapturedDecodeStep:
-    """:func:`gdn2.inference.decode_step` for one cache, captured in a CUDA graph: static token input,
+    """:func:`gdn2.generation.decode.decode_step` for one cache, captured in a CUDA graph: static token input,
     static logits.
 
     ``block_step`` and ``weights`` are passed on to ``decode_step``; the graph reads ``weights``'

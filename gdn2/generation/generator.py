@@ -9,7 +9,8 @@ import torch
 
 from gdn2.generation.cuda_graph import CapturedDecodeStep
 from gdn2.generation.sampling import SamplingParams, sample_tokens
-from gdn2.inference import DecodeWeights, InferenceCache, compiled_block_step, decode_step, prefill
+from gdn2.generation.cache import InferenceCache
+from gdn2.generation.decode import DecodeWeights, compiled_block_step, decode_step, prefill
 from gdn2.model import GPT
 from gdn2.tokenizer import Tokenizer
 
@@ -36,12 +37,12 @@ class Generator:
     sliding-window and GDN-2 layers keep a bounded state. ``vocab_limit`` masks logits of ids the
     tokenizer does not know (models whose embedding is padded past the tokenizer's vocabulary).
 
-    ``fused`` (default True): decode on fused weight copies (:class:`gdn2.inference.DecodeWeights`:
+    ``fused`` (default True): decode on fused weight copies (:class:`gdn2.generation.decode.DecodeWeights`:
     the same logits, far fewer kernels per layer; about 0.55x the weight bytes more memory, freed by
     :meth:`release`), copied again at the start of every ``generate`` call, so that a Generator kept
     across optimizer steps or ``load_state_dict`` decodes the current weights.
     ``compile`` (default: True on CUDA, False elsewhere): run the decode step's pieces through
-    ``torch.compile`` (:func:`gdn2.inference.compiled_block_step`); the first call of each
+    ``torch.compile`` (:func:`gdn2.generation.decode.compiled_block_step`); the first call of each
     batch-size bucket compiles, once per process.
     """
 

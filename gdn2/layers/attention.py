@@ -3,25 +3,27 @@
 A query at position i sees the keys at positions j with ``i - window < j <= i`` (``window`` counts the
 query itself; flash-attn ``window_size=(window - 1, 0)``); ``window=None`` is full causal attention.
 RoPE: rotate-half (NeoX) style over the whole head dimension, base 10000, fp32 tables.
+
+The layer owns its decode layout (:class:`AttentionCache`, a ring buffer of keys and values) and its
+decode step: :meth:`CausalSelfAttention.step_values` computes once per step what every attention layer
+shares (they have one window, head size and ring layout), and the step itself is one in-place custom op
+(``gdn2::ring_decode_attention``) that rotates, writes the ring slot and attends.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from gdn2.config import Config
-from gdn2.layers.decoding import DecodeContext, ring_decode_attention
-from gdn2.layers.fused import rope_qkv
-from gdn2.layers.init import Linear
-from gdn2.ops import sliding_window_attention, sliding_window_attention_reference
-
-if TYPE_CHECKING:
-    from gdn2.layers.packed import PackedPrompts
+from gdn2.layout import PackedPrompts, TokenLayout
+from gdn2.modules import Linear
+from gdn2.ops import ring_decode_attention_op, rope_qkv, sliding_window_attention, sliding_window_attention_reference
+from gdn2.stages import rope_qkv_stage
 
 
 def rope_tables(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +78,17 @@ class AttentionCache:
         self.positions[slots] = positions
 
 
+@dataclass
+class AttentionStep:
+    """A decode step's values shared by every attention layer (see :meth:`CausalSelfAttention.step_values`)."""
+
+    column: torch.Tensor  # int64 0-d, the column every row writes this step
+    slot: torch.Tensor  # int64 [1] ring slot ``column % capacity`` of the attention caches
+    visible: torch.Tensor  # bool [B, capacity] cache slots each row attends to
+    cos: torch.Tensor  # fp32 [B, head_size] RoPE tables at the rows' positions
+    sin: torch.Tensor
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: Config, layer_idx: int = 0) -> None:
         super().__init__()
@@ -96,26 +109,40 @@ class CausalSelfAttention(nn.Module):
                               torch.full((cap,), -1, device=device, dtype=torch.long),
                               full_attention=self.window is None)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[AttentionCache] = None, packed: Optional["PackedPrompts"] = None,
-                step: Optional[DecodeContext] = None) -> torch.Tensor:
-        """x: [B,T,d]; positions: [T] absolute positions (RoPE, cache slots).
+    def step_values(self, cache: AttentionCache, column: torch.Tensor, offsets: torch.Tensor) -> AttentionStep:
+        """What a decode step at ``column`` (int64 0-d) shares across the attention layers, from this layer's
+        ``cache`` (every attention cache has the same ring layout and slot positions) and the rows' first
+        columns ``offsets`` [B]. No host synchronisation."""
+        positions = column - offsets
+        slot = torch.remainder(column, cache.capacity).reshape(1)
+        kpos = cache.positions.index_copy(0, slot, column.reshape(1))  # as after this step's write
+        # every stored column is <= the current one; empty slots hold -1 < any offset
+        visible = kpos[None, :] >= offsets[:, None]
+        if self.window is not None:
+            visible = visible & (column - kpos < self.window)[None, :]
+        cos, sin = rope_tables(positions, self.head_size, self.rope_base)
+        return AttentionStep(column, slot, visible, cos, sin)
 
-        ``cache`` is updated in place. ``packed`` (with ``cu_seqlens`` and an empty ``cache``): the
-        prompts of a batch packed into one row; after attending as separate documents, each prompt's
-        keys/values go to its cache row. ``step`` (T == 1, with ``cache``): one token per row at the
-        rows' own positions, through one op that rotates q and k, writes the ring slot and attends
-        (``gdn2::ring_decode_attention``); no host synchronisation, so a CUDA graph can capture it.
+    def forward(self, x: torch.Tensor, layout: TokenLayout, cache: Optional[AttentionCache] = None) -> torch.Tensor:
+        """x: [B,T,d] -> [B,T,d]; ``layout.positions`` [T]: absolute positions (RoPE, cache slots).
+
+        ``cache`` is updated in place. ``layout.packed`` (with an empty ``cache``): the prompts of a batch
+        packed into one row; after attending as separate documents, each prompt's keys/values go to its
+        cache row. ``layout.step`` (T == 1, with ``cache``): one token per row at the rows' own positions,
+        through one op that rotates q and k, writes the ring slot and attends (``gdn2::ring_decode_attention``);
+        no host synchronisation, so a CUDA graph can capture it.
         """
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_size
+        positions, cu_seqlens, packed, step = layout.positions, layout.cu_seqlens, layout.packed, layout.step
         qkv = self.qkv(x)
         if step is not None:
-            o = ring_decode_attention(qkv.reshape(B, -1), step.cos, step.sin, cache.k, cache.v, cache.positions,
-                                      step.slot, step.column, step.visible, H)
+            o = ring_decode_attention_op(qkv.reshape(B, -1), step.cos, step.sin, cache.k, cache.v, cache.positions,
+                                         step.slot, step.column, step.visible, H)
             return self.proj(o.reshape(B, 1, H * D))
         cos, sin = rope_tables(positions, D, self.rope_base)
-        q, k, v = rope_qkv(qkv, cos, sin, H, Hkv)
+        # the Triton kernel where the pointwise operator's backend is Triton (CUDA), else the compiled stage
+        q, k, v = rope_qkv(qkv, cos, sin, H, Hkv, torch_path=rope_qkv_stage)
         if packed is not None:
             if cache is None or cu_seqlens is None:
                 raise ValueError("packed prompts need cu_seqlens and a cache to fill")
@@ -139,7 +166,7 @@ class CausalSelfAttention(nn.Module):
         return self.proj(o.reshape(B, T, H * D))
 
     @staticmethod
-    def _store_packed(cache: AttentionCache, k: torch.Tensor, v: torch.Tensor, packed: "PackedPrompts") -> None:
+    def _store_packed(cache: AttentionCache, k: torch.Tensor, v: torch.Tensor, packed: PackedPrompts) -> None:
         """Write packed keys/values k, v [total, Hkv, D] to the rows and columns ``packed`` assigns them.
 
         All prompts end in the same column, so the last ``capacity`` columns are those that stay

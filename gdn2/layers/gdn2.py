@@ -3,6 +3,10 @@
 x -> q, k, v (full-rank, causal depthwise conv k=4 + SiLU), channel-wise decay g (low-rank, fp32),
 erase gate b (key axis) and write gate w (value axis) -> GDN-2 operator (q, k L2-normalised inside) ->
 per-head RMSNorm gated by silu(low-rank gate) -> output projection. No positional encoding.
+
+The layer owns its decode layout: :class:`GDN2Cache` (the recurrent state and the short-conv tails) and
+:class:`FusedGDN2` (copies of its input projections in a layout for few-token steps); a decode step is
+its forward with a cache, through the in-place custom op ``gdn2::recurrent_decode`` for short inputs.
 """
 
 from __future__ import annotations
@@ -10,20 +14,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gdn2.config import Config
-from gdn2.layers.decoding import recurrent_decode
-from gdn2.layers.fused import causal_conv_silu, gated_rms_norm, gdn2_gates, project, runs_triton
-from gdn2.layers.init import Linear
-from gdn2.layers.recompute import RecomputeScope
-from gdn2.ops import chunk_gdn2, short_conv_silu
-
-if TYPE_CHECKING:
-    from gdn2.inference import FusedGDN2
+from gdn2.layout import TokenLayout
+from gdn2.linear import project
+from gdn2.modules import Linear
+from gdn2.ops import chunk_gdn2, recurrent_decode_op, short_conv_silu
+from gdn2.recompute import RecomputeScope
+from gdn2.stages import causal_conv_silu, gated_rms_norm, gdn2_gates
 
 INNER_GAIN = 2 ** -2.5  # Xavier gain of every linear inside the layer (reference init)
 
@@ -87,9 +90,7 @@ def conv_from_start(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[
     """silu(short conv) of x [B,T,C] with nothing before it: the Triton kernel where the operator's
     backend is Triton (CUDA), else the (compiled) torch stage. The kernel saves only its input for the
     backward, where the compiled stage keeps more (1.6 GiB less at 4 x 4096 in the 1.3B hybrid)."""
-    if runs_triton("short_conv", x):
-        return short_conv_silu(x, weight, pos_in_doc, backend="triton")
-    return causal_conv_silu(x, weight, None, pos_in_doc)
+    return short_conv_silu(x, weight, pos_in_doc, torch_path=causal_conv_silu)
 
 
 class GatedRMSNorm(nn.Module):
@@ -143,8 +144,8 @@ class GatedDeltaNet2(nn.Module):
         self.g_proj = nn.Sequential(lin(d, r), lin(r, self.value_dim, bias=True))  # output gate
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=c.norm_eps)
         self.o_proj = lin(self.value_dim, d)
-        self.grouped_projections = False  # see GPT.set_grouped_projections
-        self.recompute = False  # see GPT.set_recompute
+        self.grouped_projections = False  # set by gdn2.options.apply_options
+        self.recompute = False  # set by gdn2.options.apply_options
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -162,19 +163,34 @@ class GatedDeltaNet2(nn.Module):
                             dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         return GDN2Cache(state, conv, self.key_dim)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                pos_in_doc: Optional[torch.Tensor] = None, cache: Optional[GDN2Cache] = None,
-                packed: bool = False, fused: Optional["FusedGDN2"] = None) -> torch.Tensor:
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of the layer input, in the row order of :attr:`FusedGDN2.in_proj`."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0]]
+
+    def float8_exempt(self) -> list[nn.Linear]:
+        """The projections that stay in bf16 under float8: the gates' low-rank up-projections, whose GEMMs
+        reduce over the gate rank only."""
+        return [self.f_proj[1], self.g_proj[1]]
+
+    def decode_weights(self) -> "FusedGDN2":
+        """New copies of this layer's input projections and convs in the decode layout."""
+        return FusedGDN2.of(self)
+
+    def forward(self, x: torch.Tensor, layout: Optional[TokenLayout] = None, cache: Optional[GDN2Cache] = None,
+                fused: Optional["FusedGDN2"] = None) -> torch.Tensor:
         """x: [B,T,d] -> [B,T,d].
 
-        ``cu_seqlens`` (B == 1) restarts the state and the conv at each document start; ``pos_in_doc``
-        [T] is the matching position inside the document. ``cache`` continues from its state and conv
-        tails and is updated in place, without host synchronisation (a CUDA graph can capture a
-        one-token step). ``packed=True`` (with ``cu_seqlens`` and an empty ``cache`` of one row per
-        document): each document's final state and conv tails go to its cache row (prefill of several
-        prompts). ``fused`` (:class:`gdn2.inference.FusedGDN2`): the input projections as two GEMMs
-        and the three convs as one, over copies of these parameters (decoding).
+        ``layout.cu_seqlens`` (B == 1) restarts the state and the conv at each document start;
+        ``layout.pos_in_doc`` [T] is the matching position inside the document. ``cache`` continues from
+        its state and conv tails and is updated in place, without host synchronisation (a CUDA graph can
+        capture a one-token step). ``layout.packed`` (with an empty ``cache`` of one row per document):
+        each document's final state and conv tails go to its cache row (prefill of several prompts).
+        ``fused`` (:meth:`decode_weights`): the input projections as two GEMMs and the three convs as
+        one, over copies of these parameters (decoding).
         """
+        cu_seqlens = layout.cu_seqlens if layout is not None else None
+        pos_in_doc = layout.pos_in_doc if layout is not None else None
+        packed = layout is not None and layout.packed is not None
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         Kd, Vd = self.key_dim, self.value_dim
@@ -217,7 +233,7 @@ class GatedDeltaNet2(nn.Module):
 
     def _recomputes(self, cache: Optional[GDN2Cache], fused: Optional["FusedGDN2"]) -> bool:
         """Whether this forward lets go of the operator's inputs, the output gate and the gated norm for the
-        backward to rebuild (``recompute``, set by :meth:`gdn2.model.GPT.set_recompute`; a forward with
+        backward to rebuild (``recompute``, set by :func:`gdn2.options.apply_options`; a forward with
         gradients and without a cache). The operator's own intermediates (Aqk, A, R) are then rebuilt
         by its backward (``chunk_gdn2(..., recompute=True)``)."""
         return self.recompute and cache is None and fused is None and torch.is_grad_enabled()
@@ -272,9 +288,83 @@ class GatedDeltaNet2(nn.Module):
                                   cu_seqlens=cu_seqlens)
         elif q.shape[1] <= self.recurrent_max_len and not (self.training and torch.is_grad_enabled()):
             # short inputs (decoding): the token-recurrent kernel, which has no backward
-            return recurrent_decode(q, k, v, g, b, w, cache.state)
+            return recurrent_decode_op(q, k, v, g, b, w, cache.state)
         else:
             o, final = chunk_gdn2(q, k, v, g, b, w, initial_state=cache.state, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True)
         cache.state.copy_(final)
         return o
+
+
+@dataclass
+class FusedGDN2:
+    """Copies of one GDN-2 layer's input projections in a layout for few-token steps: the seven input
+    projections as one GEMM, the two low-rank second stages as one, the three short convs as one."""
+
+    # [2*key_dim + value_dim + key_dim + value_dim + 2*rank, d]: the rows of q_proj | k_proj | v_proj |
+    # b_proj | w_proj | f_proj[0] | g_proj[0]
+    in_proj: torch.Tensor
+    # [key_dim + value_dim, 2*rank] block diagonal: f_proj[1] on the decay's hidden units, g_proj[1] on
+    # the gate's; ``low_rank_bias`` is 0 | g_proj[1].bias
+    low_rank: torch.Tensor
+    low_rank_bias: torch.Tensor
+    conv: torch.Tensor  # [2*key_dim + value_dim, 1, conv_size]: taps of q | k | v, GDN2Cache.conv's order
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def of(cls, layer: "GatedDeltaNet2") -> "FusedGDN2":
+        """New buffers in this layout, filled from ``layer``'s parameters (in their dtype and device)."""
+        ref, first = layer.q_proj.weight, layer.input_projections()
+        names = ("q_proj", "k_proj", "v_proj", "b_proj", "w_proj", "f_proj.0", "g_proj.0", "f_proj.1", "g_proj.1")
+        for name, lin in zip(names, first + [layer.f_proj[1], layer.g_proj[1]]):
+            if lin.weight.dtype != ref.dtype or lin.weight.device != ref.device:
+                raise ValueError(f"layer {layer.layer_idx}: {name}.weight is {lin.weight.dtype} on "
+                                 f"{lin.weight.device}, q_proj.weight {ref.dtype} on {ref.device}: the fused "
+                                 "decode projections need one dtype and device")
+            if lin in first and lin.bias is not None:
+                raise ValueError(f"layer {layer.layer_idx}: {name} has a bias, which the fused input GEMM omits")
+        Kd, Vd, r = layer.key_dim, layer.value_dim, layer.f_proj[1].in_features
+        fused = cls(ref.new_empty(3 * Kd + 2 * Vd + 2 * r, ref.shape[1]), ref.new_zeros(Kd + Vd, 2 * r),
+                    ref.new_zeros(Kd + Vd), ref.new_empty(2 * Kd + Vd, 1, layer.conv_size), Kd, Vd)
+        fused.copy_from(layer)
+        return fused
+
+    @torch.no_grad()
+    def copy_from(self, layer: "GatedDeltaNet2") -> None:
+        """Copy ``layer``'s parameters into these buffers (the zero blocks stay zero)."""
+        f1, g1 = layer.f_proj[1], layer.g_proj[1]
+        Kd, r = self.key_dim, f1.in_features
+        torch.cat([lin.weight for lin in layer.input_projections()], dim=0, out=self.in_proj)
+        self.low_rank[:Kd, :r].copy_(f1.weight)
+        self.low_rank[Kd:, r:].copy_(g1.weight)
+        for bias, part in ((f1.bias, self.low_rank_bias[:Kd]), (g1.bias, self.low_rank_bias[Kd:])):
+            if bias is not None:
+                part.copy_(bias)
+        for conv, part in zip((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d),
+                              self.conv.split([Kd, Kd, self.value_dim])):
+            part.copy_(conv.weight)
+
+    @staticmethod
+    def sources(layer: "GatedDeltaNet2") -> list[torch.Tensor]:
+        """The parameters :meth:`copy_from` copies."""
+        linears = layer.input_projections() + [layer.f_proj[1], layer.g_proj[1]]
+        return ([p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+                + [layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight])
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B,T,d] -> the pre-conv q | k | v [B,T,2*key_dim+value_dim] and the pre-activation f,
+        b, w and output gate, as the layer's own projections give them."""
+        B, T, _ = x.shape
+        Kd, Vd = self.key_dim, self.value_dim
+        qkv, bw, hidden = F.linear(x, self.in_proj).split([2 * Kd + Vd, Kd + Vd, self.low_rank.shape[1]], dim=-1)
+        # The bias is added apart from the GEMM, so that the compiler folds it into the kernels that
+        # read f and the gate. A non-finite hidden unit would leak into the other stage through the
+        # zero blocks, but it already makes this layer's output non-finite unfused.
+        low = F.linear(hidden.reshape(B * T, -1), self.low_rank) + self.low_rank_bias
+        f, gate = low.reshape(B, T, Kd + Vd).split([Kd, Vd], dim=-1)
+        b, w = bw.split([Kd, Vd], dim=-1)
+        return qkv, f, b, w, gate
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.in_proj, self.low_rank, self.low_rank_bias, self.conv]

@@ -4,10 +4,12 @@ The switches are read from the environment once, at the first call that needs th
 a frozen :class:`Settings`. :func:`reload_settings` reads them again after the environment changed;
 :func:`override` replaces some of them for the duration of a ``with`` block (tests).
 
-One backend rule for every operator (``gdn2``, ``swa``, ``decode_attention``): the ``backend=`` argument,
-else ``GDN2_BACKEND``, else the default: on CUDA tensors flash-attn for ``swa`` when it is installed, our
-Triton kernels otherwise; on any other device the torch path. ``flash`` asked of an operator without a
-flash-attn path means the default. ``triton`` on CPU tensors works under ``TRITON_INTERPRET=1``.
+One backend rule for every operator (``gdn2``, ``swa``, ``decode_attention``, ``short_conv``,
+``pointwise``), decided here and nowhere else: the ``backend=`` argument, else ``GDN2_BACKEND``, else the
+default: on CUDA tensors flash-attn for ``swa`` when it is installed, our Triton kernels otherwise; on any
+other device the torch path. ``flash`` asked of an operator without a flash-attn path means the default.
+``triton`` on CPU tensors works under ``TRITON_INTERPRET=1``. Tensors of a dtype the Triton kernels do
+not take (float64) run on the torch path unless the ``backend=`` argument itself asks for Triton.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+
+from gdn2.ops.checks import TRITON_DTYPES
 
 BACKENDS = ("triton", "torch", "flash")
 OPERATORS = ("gdn2", "swa", "decode_attention", "short_conv", "pointwise")
@@ -102,17 +106,29 @@ def _installed(module: str) -> bool:
         return False
 
 
-def select_backend(op: str, device: torch.device, backend: Optional[str] = None) -> str:
-    """The backend ('triton', 'torch' or 'flash') that operator ``op`` runs on for tensors on ``device``."""
+def select_backend(op: str, device: torch.device, backend: Optional[str] = None,
+                   dtype: Optional[torch.dtype] = None) -> str:
+    """The backend ('triton', 'torch' or 'flash') that operator ``op`` runs on for tensors on ``device``
+    (of ``dtype``, when given)."""
     if op not in OPERATORS:
         raise ValueError(f"unknown operator {op!r}; one of {OPERATORS}")
-    choice = backend or settings().backend
-    if choice is not None:
-        _check_backend(choice)
-        if choice != "flash" or op in FLASH_OPERATORS:
-            return choice
+    if backend is not None:
+        _check_backend(backend)
+        if backend != "flash" or op in FLASH_OPERATORS:
+            return backend
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return "torch"
+    choice = settings().backend if backend is None else None
+    if choice is not None and (choice != "flash" or op in FLASH_OPERATORS):
+        return choice
     if device.type != "cuda":
         return "torch"
     if op in FLASH_OPERATORS and _installed("flash_attn"):
         return "flash"
     return "triton"
+
+
+def traced_or_captured(x: torch.Tensor) -> bool:
+    """Whether a call on x happens while an outer ``torch.compile`` traces or a CUDA graph captures (a
+    decode step): there an operator's plain torch form is what gets fused or captured."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -7,7 +7,7 @@
 - ``checkpointer``: when to save and what a save holds (the format is :mod:`gdn2.checkpoint`)
 - ``validate``: validation loss at several lengths, lm-eval during training
 - ``metrics``: MFU, the loggers (JSONL, TensorBoard, CSV, W&B), the progress bar
-- ``loss``: a micro-batch's loss (the cross-entropy itself is :mod:`gdn2.layers.loss`)
+- ``loss``: a micro-batch's loss (the cross-entropy itself is :mod:`gdn2.loss`)
 - ``optimizer``: AdamW parameter groups (no decay on A_log, dt_bias, norms, biases)
 - ``schedule``: ``cosine_with_warmup``, and when a periodic task is due
 - ``slurm``: topology from SLURM / torchrun, stop signals, requeue, wall-clock budgets

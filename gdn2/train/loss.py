@@ -1,4 +1,4 @@
-"""The loss of a micro-batch; the cross-entropy functions themselves live in ``gdn2.layers.loss``."""
+"""The loss of a micro-batch; the cross-entropy functions themselves live in ``gdn2.loss``."""
 
 from __future__ import annotations
 

@@ -337,7 +337,7 @@ def _validate(recipe: Recipe) -> None:
          f"must be >= 0, got {t.max_consecutive_nonfinite}")
     need(t.loss_chunk_tokens > 0, "train.loss_chunk_tokens", f"must be positive, got {t.loss_chunk_tokens}")
     if t.float8 is not None:
-        from gdn2.layers.float8 import check_recipe, require_torchao
+        from gdn2.float8 import check_recipe, require_torchao
 
         check_recipe(t.float8)
         require_torchao()

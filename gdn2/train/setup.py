@@ -14,12 +14,11 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.data.shards import find_shards, read_manifest
-from gdn2.data.shards import PackedShardReader
-from gdn2.layers.float8 import check_device, float8_spec
-from gdn2.layers.fused import set_compiled
-from gdn2.model import GPT, Block, flops_per_token
 from gdn2.checkpoint.format import read_checkpoint_config, read_marker
+from gdn2.data.shards import PackedShardReader, find_shards, read_manifest
+from gdn2.float8 import check_device, float8_spec
+from gdn2.model import GPT, Block, flops_per_token
+from gdn2.options import ModelOptions, apply_options
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
 from gdn2.train.recipe import Recipe
 from gdn2.train.slurm import Topology, resolve_topology
@@ -124,23 +123,28 @@ def is_fsdp(fabric) -> bool:
     return isinstance(fabric.strategy, FSDPStrategy)
 
 
+def model_options(recipe: Recipe, device: torch.device) -> ModelOptions:
+    """The recipe's choices of how the model computes (``train`` section), for ``device``."""
+    t = recipe.train
+    spec = None
+    if t.float8 is not None:
+        spec = float8_spec(t.float8)
+        check_device(spec, device)
+    # under whole-block checkpointing the blocks keep nothing inside anyway
+    return ModelOptions(compile=t.compile and device.type == "cuda", fused_loss=t.fused_loss,
+                        grouped_projections=t.grouped_projections, float8=spec,
+                        recompute=t.recompute and not t.activation_checkpointing)
+
+
 def build_model_and_optimizer(fabric, recipe: Recipe):
     """(model, optimizer, parameter count) set up by Fabric. Under FSDP the model is built on the meta
     device and each rank materialises its own shards through the modules' ``reset_parameters``; under
     FSDP2 each rank builds it whole from the same seed and ``fully_shard`` keeps its own part (so the
     initial weights are those of a one-device run)."""
     fabric.seed_everything(recipe.train.seed, verbose=False)
-    set_compiled(recipe.train.compile and fabric.device.type == "cuda")
     with fabric.init_module(empty_init=is_fsdp(fabric)):
         model = GPT(recipe.model)
-    model.fused_loss = recipe.train.fused_loss
-    model.set_grouped_projections(recipe.train.grouped_projections)
-    # under whole-block checkpointing the blocks keep nothing inside anyway
-    model.set_recompute(recipe.train.recompute and not recipe.train.activation_checkpointing)
-    if recipe.train.float8 is not None:
-        spec = float8_spec(recipe.train.float8)
-        check_device(spec, fabric.device)
-        model.set_float8(spec)
+    apply_options(model, model_options(recipe, fabric.device))
     num_params = sum(p.numel() for p in model.parameters())
     no_decay = no_weight_decay_names(model)  # decided on the bare model: FSDP loses shapes and attributes
     if recipe.train.activation_checkpointing and not is_fsdp(fabric):  # FSDP applies its own policy

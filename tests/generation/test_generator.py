@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gdn2.generation import Generator
-from gdn2.inference import compiled_block_step
+from gdn2.generation.decode import compiled_block_step
 from decode_helpers import greedy_by_full_forward, tiny_decoding_model
 
 

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("torchao")
 
 from gdn2.config import Config  # noqa: E402
-from gdn2.layers.float8 import check_device, float8_spec  # noqa: E402
+from gdn2.float8 import check_device, float8_spec  # noqa: E402
+from gdn2.options import ModelOptions, apply_options  # noqa: E402
 from gdn2.model import GPT  # noqa: E402
 
 
@@ -24,9 +25,8 @@ def _tiny_float8_hybrid():
     batch of token ids for it."""
     torch.manual_seed(1)
     model = GPT(Config.from_name("swa_gdn2_tiny")).train()
-    model.fused_loss = True
-    model.set_grouped_projections(True)
-    model.set_float8(float8_spec("tensorwise", emulate=True))
+    apply_options(model, ModelOptions(fused_loss=True, grouped_projections=True,
+                                      float8=float8_spec("tensorwise", emulate=True)))
     return model, torch.randint(0, model.config.vocab_size, (2, 33))
 
 
@@ -35,12 +35,12 @@ def _tiny_float8_hybrid():
 def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections(recipe, grouped):
     torch.manual_seed(0)
     model = GPT(Config.from_name("swa_gdn2_tiny")).train()
-    model.fused_loss = True
-    model.set_grouped_projections(grouped)
+    apply_options(model, ModelOptions(fused_loss=True, grouped_projections=grouped))
     idx = torch.randint(0, model.config.vocab_size, (2, 65))
     ref_loss, ref_grads = _loss_and_grads(model, idx)
 
-    model.set_float8(float8_spec(recipe, emulate=True))
+    apply_options(model, ModelOptions(fused_loss=True, grouped_projections=grouped,
+                                      float8=float8_spec(recipe, emulate=True)))
     marked = {name for name, m in model.named_modules() if getattr(m, "float8", None) is not None}
     gdn = model.transformer.h[0].mixer
     assert "lm_head" not in marked and gdn.f_proj[1].float8 is None and gdn.g_proj[1].float8 is None
@@ -51,7 +51,7 @@ def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections
     assert abs(loss - ref_loss) <= 2e-2 * ref_loss
     assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0) > 0.99
 
-    model.set_float8(None)
+    apply_options(model, ModelOptions(fused_loss=True, grouped_projections=grouped))
     assert _loss_and_grads(model, idx)[0] == ref_loss
 
 
@@ -68,21 +68,20 @@ def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     """As ``train.compile`` runs it (each float8 GEMM one traced stage): no graph break, same loss and
     gradients as eager, and a validation forward after training still traced (each projection shape
     with and without gradients is more graphs than torch's default recompile limit)."""
-    from gdn2.layers import fused
-
     model, idx = _tiny_float8_hybrid()
     loss_e, grads_e = _loss_and_grads(model, idx)
     torch._dynamo.reset()
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     with torch.no_grad():
         val_e = model(idx[:, :-1], labels=idx[:, 1:])
-    fused.set_compiled(True, devices=("cpu",), backend="aot_eager")
+    spec = float8_spec("tensorwise", emulate=True)
+    apply_options(model, ModelOptions(fused_loss=True, grouped_projections=True, float8=spec, compile=True, compile_devices=("cpu",), compile_backend="aot_eager"))
     try:
         loss_c, grads_c = _loss_and_grads(model, idx)
         with torch.no_grad():
             val_c = model(idx[:, :-1], labels=idx[:, 1:])
     finally:
-        fused.set_compiled(False)
+        apply_options(model, ModelOptions())
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
     assert "recompile_limit" not in caplog.text
     torch.testing.assert_close(val_c, val_e)
@@ -94,7 +93,6 @@ def test_recompute_with_float8_gives_the_same_loss_and_gradients(monkeypatch):
     """``train.recompute`` over float8 projections (the rebuilt operator inputs come from the float8
     grouped projection's output), eager and with the stages traced: one rebuild per GDN-2 layer, and
     bit-identical to keeping them."""
-    from gdn2.layers import fused
     from gdn2.layers.gdn2 import GatedDeltaNet2
 
     rebuilds = []
@@ -102,17 +100,19 @@ def test_recompute_with_float8_gives_the_same_loss_and_gradients(monkeypatch):
     monkeypatch.setattr(GatedDeltaNet2, "_operator_inputs",
                         lambda *a, **k: (rebuilds.append(not torch.is_grad_enabled()), inputs(*a, **k))[1])
     model, idx = _tiny_float8_hybrid()
+    spec = float8_spec("tensorwise", emulate=True)
     try:
         for traced in (False, True):
+            compiled = dict(compile=True, compile_devices=("cpu",), compile_backend="aot_eager") if traced else {}
             if traced:
                 torch._dynamo.reset()
-                fused.set_compiled(True, devices=("cpu",), backend="aot_eager")
-            model.set_recompute(False)
+            apply_options(model, ModelOptions(fused_loss=True, grouped_projections=True, float8=spec, **compiled))
             loss_k, grads_k = _loss_and_grads(model, idx)
-            model.set_recompute(True)
+            apply_options(model, ModelOptions(fused_loss=True, grouped_projections=True, float8=spec, recompute=True,
+                                              **compiled))
             rebuilds.clear()
             loss_r, grads_r = _loss_and_grads(model, idx)
             assert sum(rebuilds) == sum(isinstance(m, GatedDeltaNet2) for m in model.modules()), traced
             assert torch.equal(loss_r, loss_k) and torch.equal(grads_r, grads_k), traced
     finally:
-        fused.set_compiled(False)
+        apply_options(model, ModelOptions())

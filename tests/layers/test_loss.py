@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from gdn2.config import Config
-from gdn2.layers.loss import cross_entropy_fp32, linear_cross_entropy
+from gdn2.loss import cross_entropy_fp32, linear_cross_entropy
+from gdn2.options import ModelOptions, apply_options
 from gdn2.model import GPT
 
 
@@ -32,7 +33,7 @@ def test_chunked_cross_entropy_matches_torch(dtype):
 
 def test_slice_stage_traces_as_one_graph_with_the_eager_values():
     """The slice's loss and gradient, as ``train.compile`` runs them (one traced graph), equal eager."""
-    from gdn2.layers.loss import slice_loss_and_grad
+    from gdn2.loss import slice_loss_and_grad
 
     torch.manual_seed(4)
     logits = (torch.randn(9, 50) * 3).to(torch.bfloat16)
@@ -110,7 +111,7 @@ def test_the_models_fused_loss_equals_its_logits_loss(name):
     cu = torch.tensor([0, 10, 32, 50, 64])
     grads = []
     for fused in (False, True):
-        model.fused_loss = fused
+        apply_options(model, ModelOptions(fused_loss=fused))
         model.zero_grad()
         loss = model(idx, cu_seqlens=cu, labels=labels, loss_chunk_tokens=24)
         loss.backward()

@@ -1,19 +1,20 @@
-"""gdn2/layers/recompute.py, and the GDN-2 layers' use of it (``GPT.set_recompute``): named tensors are
+"""gdn2/recompute.py, and the GDN-2 layers' use of it (``ModelOptions.recompute``): named tensors are
 let go in the forward, rebuilt once for the backward, and the gradients stay exactly those of keeping
 them."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
 import torch
 
 from gdn2.config import Config
-from gdn2.layers import fused
 from gdn2.layers.gdn2 import GatedDeltaNet2
-from gdn2.layers.recompute import RecomputeScope
 from gdn2.model import GPT
+from gdn2.options import ModelOptions, apply_options
+from gdn2.recompute import RecomputeScope
 
 
 def _graph(x: torch.Tensor, scoped: bool, rebuilds: list, sliced: bool = False):
@@ -98,13 +99,14 @@ def test_model_with_recompute_has_the_same_loss_and_gradients(case, monkeypatch)
     model = GPT(Config.from_name("swa_gdn2_tiny")).train()
     if case == "float64":
         model = model.double()
-    model.set_grouped_projections(True)
     idx = torch.randint(0, model.config.vocab_size, (1, 49))
     cu = torch.tensor([0, 20, 48], dtype=torch.int32)
     autocast = case != "float64"
+    options = ModelOptions(grouped_projections=True)
     if autocast:
         torch._dynamo.reset()
-        fused.set_compiled(True, devices=("cpu",), backend="aot_eager")
+        options = ModelOptions(grouped_projections=True, compile=True, compile_devices=("cpu",), compile_backend="aot_eager")
+    apply_options(model, options)
     calls = []
     inputs = GatedDeltaNet2._operator_inputs
     monkeypatch.setattr(GatedDeltaNet2, "_operator_inputs",
@@ -112,10 +114,10 @@ def test_model_with_recompute_has_the_same_loss_and_gradients(case, monkeypatch)
     try:
         loss_k, grads_k = _loss_and_grads(model, idx, cu, autocast)
         kept_calls = len(calls)
-        model.set_recompute(True)
+        apply_options(model, dataclasses.replace(options, recompute=True))
         loss_r, grads_r = _loss_and_grads(model, idx, cu, autocast)
     finally:
-        fused.set_compiled(False)
+        apply_options(model, ModelOptions())
     n_gdn2 = sum(isinstance(m, GatedDeltaNet2) for m in model.modules())
     assert kept_calls == n_gdn2 and calls[kept_calls:].count(False) == n_gdn2  # one rebuild per layer
     assert torch.equal(loss_r, loss_k)
@@ -129,9 +131,8 @@ def test_recompute_on_cuda_frees_the_intermediates_and_keeps_the_gradients():
     forward drops by at least the bytes of what the GDN-2 layers let go, and the gradients match."""
     torch.manual_seed(1)
     model = GPT(Config.from_name("swa_gdn2_tiny")).cuda().train()
-    model.set_grouped_projections(True)
     idx = torch.randint(0, model.config.vocab_size, (4, 1025), device="cuda")
-    fused.set_compiled(True)
+    apply_options(model, ModelOptions(grouped_projections=True, compile=True))
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -146,11 +147,11 @@ def test_recompute_on_cuda_frees_the_intermediates_and_keeps_the_gradients():
     try:
         step()  # compile outside the measurement
         held_k, loss_k, grads_k = step()
-        model.set_recompute(True)
+        apply_options(model, ModelOptions(grouped_projections=True, compile=True, recompute=True))
         step()
         held_r, loss_r, grads_r = step()
     finally:
-        fused.set_compiled(False)
+        apply_options(model, ModelOptions())
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet2)]
     kd, vd = layers[0].key_dim, layers[0].value_dim
     # at least the operator's inputs: q, k, v, b, w in bf16, g in fp32 (f, the output gate and the

@@ -16,13 +16,13 @@ def test_decode_on_the_kernel_equals_the_full_forward(monkeypatch, name, kw):
     attention op runs on Triton here; the other operators' kernels have tests of their own."""
     import functools
 
-    import gdn2.layers.decoding as decoding
+    import gdn2.ops.decode_attention.api as decode_api
     from gdn2.config import Config
-    from gdn2.inference import DecodeWeights, InferenceCache, decode_step, prefill
+    from gdn2.generation import DecodeWeights, InferenceCache, decode_step, prefill
     from gdn2.model import GPT
 
-    monkeypatch.setattr(decoding, "ring_decode_attention_op",
-                        functools.partial(decoding.ring_decode_attention_op, backend="triton"))
+    monkeypatch.setattr(decode_api, "ring_decode_attention",
+                        functools.partial(decode_api.ring_decode_attention, backend="triton"))
     torch.manual_seed(0)
     model = GPT(Config.from_name(name, vocab_size=128, n_layer=2, **kw)).to(DEVICE).eval()
     lengths, steps = [5, 9, 1], 7

@@ -44,7 +44,7 @@ def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ``visible`` marks. qkv [B, (n_head + 2*Hkv) * D]; cos, sin fp32 [B, D]; k_cache, v_cache
     [B, C, Hkv, D]; positions int64 [C]; slot int64 [1]; column int64 0-d; visible bool [B, C].
     Returns o [B, n_head * D] in qkv's dtype."""
-    if select_backend("decode_attention", qkv.device, backend) == "triton":
+    if select_backend("decode_attention", qkv.device, backend, qkv.dtype) == "triton":
         from gdn2.ops.decode_attention.ring import ring_decode_attention_triton
 
         return ring_decode_attention_triton(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
@@ -53,3 +53,19 @@ def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
     return ring_decode_attention_reference(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
                                            n_head)
+
+
+# Registered as a custom op that declares what it writes, so that ``torch.compile`` sees a decode step
+# as one graph and still updates the cache in place, which a captured CUDA graph relies on.
+@torch.library.custom_op("gdn2::ring_decode_attention", mutates_args=("k_cache", "v_cache", "positions"))
+def ring_decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, column: torch.Tensor,
+                             visible: torch.Tensor, n_head: int) -> torch.Tensor:
+    """:func:`ring_decode_attention` (default backend) as the custom op ``gdn2::ring_decode_attention``."""
+    return ring_decode_attention(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible, n_head)
+
+
+@ring_decode_attention_op.register_fake
+def _ring_decode_attention_fake(qkv, cos, sin, k_cache, v_cache, positions, slot, column, visible,
+                                n_head) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], n_head * k_cache.shape[-1])

@@ -78,7 +78,7 @@ def chunk_gdn2(
     between forward and backward); the gradients are the same. The torch backend keeps what autograd
     saves either way.
     """
-    be = select_backend("gdn2", device_of("q", q), backend)
+    be = select_backend("gdn2", device_of("q", q), backend, q.dtype)
     check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path=be == "torch")
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -104,7 +104,7 @@ def fused_recurrent_gdn2(
     and returns that tensor, so a decoding cache is updated without copies. Inference only on the
     Triton path; the torch path is differentiable.
     """
-    be = select_backend("gdn2", device_of("q", q), backend)
+    be = select_backend("gdn2", device_of("q", q), backend, q.dtype)
     check_gdn2_inputs(q, k, v, g, b, w, scale, initial_state, cu_seqlens, torch_path=be == "torch")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state=True needs an initial_state to update")
@@ -123,3 +123,21 @@ def fused_recurrent_gdn2(
             initial_state.copy_(final)
         return o, initial_state
     return o, final
+
+
+# Registered as a custom op that declares what it writes, so that ``torch.compile`` sees a decode step
+# as one graph and still advances the state in place, which a captured CUDA graph relies on.
+@torch.library.custom_op("gdn2::recurrent_decode", mutates_args=("state",))
+def recurrent_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                        w: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """GDN-2 over a few tokens with the recurrent kernel (q, k L2-normalised inside): q, k, g, b
+    [B,T,H,K]; v, w [B,T,HV,V]; state fp32 [B,HV,K,V] advanced in place. Returns o [B,T,HV,V] in
+    q's dtype. :func:`fused_recurrent_gdn2` as the custom op ``gdn2::recurrent_decode``."""
+    o, _ = fused_recurrent_gdn2(q, k, v, g, b, w, initial_state=state, use_qk_l2norm_in_kernel=True,
+                                inplace_final_state=True)
+    return o
+
+
+@recurrent_decode_op.register_fake
+def _recurrent_decode_fake(q, k, v, g, b, w, state) -> torch.Tensor:
+    return q.new_empty(v.shape)

@@ -5,7 +5,7 @@ either concatenates the pieces' gradients or reads its inputs once per output ha
 
 - ``api``: the entry points ``rope_qkv`` and ``swiglu_joined`` (the contracts, backend dispatch)
 - ``kernels``: the Triton kernels and their autograd functions
-- ``naive``: the torch oracles, also the CPU path (``gdn2.layers.fused`` compiles them)
+- ``naive``: the torch oracles, also the CPU path (``gdn2.stages`` compiles them)
 """
 
 from gdn2.ops.pointwise.api import rope_qkv, swiglu_joined

@@ -1,4 +1,4 @@
-"""The torch oracles of the row-wise stages (also their CPU path, see ``gdn2.layers.fused``)."""
+"""The torch oracles of the row-wise stages (also their CPU path, see ``gdn2.stages``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The Triton module is imported on the first Triton call, so this module imports w
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,18 +32,21 @@ def check_short_conv_inputs(x, weight, pos_in_doc) -> None:
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: Optional[torch.Tensor] = None,
-                    backend: Optional[str] = None) -> torch.Tensor:
+                    backend: Optional[str] = None, torch_path: Optional[Callable[..., torch.Tensor]] = None
+                    ) -> torch.Tensor:
     """``silu(causal depthwise conv(x))`` with zeros before the start: x [B, T, C] (any strides with
     the channels contiguous, e.g. a slice of a wider projection), weight [C, 1, ks] (oldest tap
     first), ``pos_in_doc`` int [T] (each token's position inside its document; taps reaching before a
     document's start contribute nothing). Returns a contiguous [B, T, C] in x's dtype, accumulated in
-    fp32; differentiable in x and weight. See ``naive.short_conv_silu_reference`` for the math."""
+    fp32; differentiable in x and weight. See ``naive.short_conv_silu_reference`` for the math.
+    ``torch_path``: what runs on the torch backend in place of that oracle, with its arguments (the
+    layers pass its compiled twin, ``gdn2.stages.causal_conv_silu``)."""
     check_short_conv_inputs(x, weight, pos_in_doc)
-    if select_backend("short_conv", x.device, backend) == "triton":
+    if select_backend("short_conv", x.device, backend, x.dtype) == "triton":
         check_triton_dtypes({"x": x, "weight": weight})
         from gdn2.ops.short_conv.conv import short_conv_silu_triton
 
         return short_conv_silu_triton(x, weight, pos_in_doc)
     from gdn2.ops.short_conv.naive import short_conv_silu_reference
 
-    return short_conv_silu_reference(x, weight, None, pos_in_doc)
+    return (torch_path or short_conv_silu_reference)(x, weight, None, pos_in_doc)

@@ -1,4 +1,4 @@
-"""The torch oracle of the short convolution (also the layer's torch path, see ``gdn2.layers.fused``)."""
+"""The torch oracle of the short convolution (also the layer's torch path, see ``gdn2.stages``)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def sliding_window_attention(
     [N+1], B == 1) keeps packed documents apart. ``scale`` defaults to D**-0.5. Returns [B,T,H,D] in
     q's dtype.
     """
-    be = select_backend("swa", device_of("q", q), backend)
+    be = select_backend("swa", device_of("q", q), backend, q.dtype)
     check_swa_inputs(q, k, v, window, scale, cu_seqlens, torch_path=be == "torch")
     if be == "flash":
         if q.dtype not in (torch.float16, torch.bfloat16):

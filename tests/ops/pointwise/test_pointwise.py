@@ -108,13 +108,14 @@ def test_model_on_the_kernels_matches_the_torch_stages(name, monkeypatch):
     CUDA), the rest on the torch path: the torch stages' loss and gradients (fp32)."""
     import torch.nn.functional as F
 
+    import gdn2.ops.pointwise.api as pointwise_api
     from gdn2.config import Config
-    from gdn2.layers import fused
     from gdn2.model import GPT
+    from gdn2.options import ModelOptions, apply_options
 
     torch.manual_seed(0)
     model = GPT(Config.from_name(name)).to(DEVICE).float()
-    model.set_grouped_projections(True)
+    apply_options(model, ModelOptions(grouped_projections=True))
     idx = torch.randint(0, model.config.vocab_size, (2, 21), device=DEVICE)
 
     def loss_and_grads():
@@ -123,9 +124,9 @@ def test_model_on_the_kernels_matches_the_torch_stages(name, monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    monkeypatch.setattr(fused, "_pointwise_kernels", lambda x: False)
+    monkeypatch.setattr(pointwise_api, "_triton", lambda x, backend: False)
     loss_t, grads_t = loss_and_grads()
-    monkeypatch.setattr(fused, "_pointwise_kernels", lambda x: True)
+    monkeypatch.setattr(pointwise_api, "_triton", lambda x, backend: True)
     loss_k, grads_k = loss_and_grads()
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-6, atol=1e-6)
     for n, g in grads_t.items():

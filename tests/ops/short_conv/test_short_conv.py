@@ -95,8 +95,10 @@ def test_gdn2_layer_on_the_kernel_equals_the_torch_stage(monkeypatch):
     """The layer's convolutions through the kernel (grouped projections, so q, k, v are slices of one
     GEMM's output), with and without document starts: same output and gradients as the torch stage."""
     import gdn2.layers.gdn2 as layer_mod
+    import gdn2.ops.short_conv.api as conv_api
+    import gdn2.ops.short_conv.conv as conv_kernels
     from gdn2.config import Config
-    from gdn2.layers import fused
+    from gdn2.layout import TokenLayout
     from gdn2.ops import select_backend
 
     torch.manual_seed(0)
@@ -105,23 +107,25 @@ def test_gdn2_layer_on_the_kernel_equals_the_torch_stage(monkeypatch):
     x = torch.randn(1, 24, layer.q_proj.in_features, device=DEVICE)
     cu = torch.tensor([0, 9, 24], device=DEVICE, dtype=torch.int32)
     calls = []
+    kernel = conv_kernels.short_conv_silu_triton
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return short_conv_silu(*args, **kwargs)
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(layer_mod, "short_conv_silu", counted)
+    monkeypatch.setattr(conv_kernels, "short_conv_silu_triton", counted)
 
     def run(conv_backend: str, **kw):
-        monkeypatch.setattr(fused, "select_backend",
-                            lambda op, device, backend=None: conv_backend if op == "short_conv"
-                            else select_backend(op, device, backend))
+        monkeypatch.setattr(conv_api, "select_backend",
+                            lambda op, device, backend=None, dtype=None: conv_backend if op == "short_conv"
+                            else select_backend(op, device, backend, dtype))
         layer.zero_grad(set_to_none=True)
         out = layer(x, **kw)
         out.square().sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
 
-    for kw in ({}, {"cu_seqlens": cu, "pos_in_doc": _documents(24, [9])}):
+    documents = TokenLayout(_documents(24, [9]), cu, _documents(24, [9]))
+    for kw in ({}, {"layout": documents}):
         calls.clear()
         out_t, grads_t = run("torch", **kw)
         assert not calls

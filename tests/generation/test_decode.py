@@ -1,10 +1,11 @@
-"""gdn2/inference.py: every cached path gives the logits of the full forward pass; the fused decode
+"""gdn2/generation/decode.py: every cached path gives the logits of the full forward pass; the fused decode
 weights are copies that follow the parameters; the compiled decode step traces whole."""
 
 import pytest
 import torch
 
-from gdn2.inference import DecodeWeights, InferenceCache, compiled_block_step, decode_step, extend, prefill
+from gdn2.generation.cache import InferenceCache
+from gdn2.generation.decode import DecodeWeights, compiled_block_step, decode_step, extend, prefill
 from gdn2.layers.attention import AttentionCache
 from decode_helpers import tiny_decoding_model
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gdn2.layers.fused import compute_dtype, fusable
+from gdn2.stages import compute_dtype, fusable
 
 IGNORE_INDEX = -100
 

@@ -7,16 +7,14 @@ materialised shard by shard (FSDP calls ``reset_parameters`` on every module tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from gdn2.layers.float8 import float8_linear
-from gdn2.layers.fused import add_rms_norm, compute_dtype, linear, rms_norm
-
-if TYPE_CHECKING:
-    from gdn2.layers.float8 import Float8Spec
+from gdn2.float8 import Float8Spec, float8_linear
+from gdn2.linear import linear
+from gdn2.stages import add_rms_norm, compute_dtype, rms_norm
 
 
 class Linear(nn.Linear):
@@ -29,7 +27,7 @@ class Linear(nn.Linear):
             raise ValueError(f"init must be 'normal' or 'xavier', got {init!r}")
         self.init, self.std, self.gain = init, std, gain
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.float8: Optional["Float8Spec"] = None  # see GPT.set_float8
+        self.float8: Optional[Float8Spec] = None  # set by gdn2.options.apply_options
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float8 is None:

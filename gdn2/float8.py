@@ -4,7 +4,7 @@ torchao casts each GEMM operand to float8 with a dynamic scale (one per tensor f
 per row for ``rowwise``; ``rowwise_with_gw_hp`` keeps the weight gradient's GEMM in bf16) and runs
 forward, input gradient and weight gradient as scaled float8 matmuls; the weights stay fp32
 parameters and the optimizer does not change. Here that autograd function runs over the model's own
-projections: :meth:`gdn2.model.GPT.set_float8` marks every block projection, and a grouped
+projections: :func:`gdn2.options.apply_options` marks every block projection, and a grouped
 projection (``train.grouped_projections``) runs as one float8 GEMM over its stacked weights. The
 output head and the GDN-2 gates' low-rank up-projections (reducing over 128 channels) stay in bf16.
 With ``train.compile`` the casts and scales fuse into one compiled stage.
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from gdn2.layers.fused import fusable
+from gdn2.stages import fusable
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -84,7 +84,7 @@ def float8_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], bias: Option
                   spec: Float8Spec, dtype: torch.dtype) -> torch.Tensor:
     """``x @ cat(weights).T (+ bias)`` with both operands cast to float8 by ``spec``'s scaling, in the
     forward and in both gradient GEMMs; x is first cast to ``dtype`` (the dtype a matmul on x runs in,
-    :func:`gdn2.layers.fused.compute_dtype`), which the output has too."""
+    :func:`gdn2.stages.compute_dtype`), which the output has too."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     x = x.to(dtype)
