@@ -16,7 +16,6 @@ byte; other versions give a similar one.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -24,8 +23,11 @@ import sys
 import sysconfig
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from gdn2.commandline import option, parse_options
 from gdn2.data_prep.prepare import prepare
 from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.data.shards import MANIFEST_NAME, read_header
@@ -121,18 +123,22 @@ def build_default_corpus(output: str | os.PathLike = "data/default", vocab_size:
                    shard_tokens=shard_tokens, progress=progress)
 
 
+@dataclass(kw_only=True)
+class CorpusOptions:
+    output: str = option("data/default", "output folder")
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE, "tokenizer pieces")
+    max_bytes: int = option(DEFAULT_MAX_BYTES, "size cap of the text")
+    workers: Optional[int] = option(None, "tokeniser processes", meaning_of_null="all cores")
+    val_fraction: float = option(DEFAULT_VAL_FRACTION, "share of documents for validation (by a hash of the text)")
+    shard_tokens: int = option(DEFAULT_SHARD_TOKENS, "tokens per shard")
+    seed: int = option(3407, "tokenizer sampling seed")
+    quiet: bool = option(False, "no progress bar")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="data/default")
-    parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="size cap of the text")
-    parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
-    parser.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION)
-    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    parser.add_argument("--seed", type=int, default=3407)
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_options(CorpusOptions, list(argv or []), "gdn2 corpus", __doc__.split("\n\n")[0])
+    if args is None:
+        return 0
     build_default_corpus(args.output, args.vocab_size, args.max_bytes, args.workers, args.val_fraction,
                          args.shard_tokens, args.seed, progress=not args.quiet)
     return 0

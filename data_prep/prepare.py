@@ -33,7 +33,6 @@ whatever ``--workers`` is. A finished output (``manifest.json`` present) makes a
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import glob
@@ -49,9 +48,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
+from gdn2.commandline import option, parse_options
 from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, token_dtype_for_vocab
 from gdn2.files import file_sha256, fsync_dir, write_json_atomic
 
@@ -875,30 +876,30 @@ def _ordered_bounded(pool, tasks: Iterator[tuple], in_flight: int) -> Iterator[d
         yield pending.popleft().get()
 
 
+@dataclass(kw_only=True)
+class PrepareOptions:
+    input: list[str] = option(help="parquet / jsonl[.zst|.gz] file or glob (quote it); repeatable, order kept")
+    tokenizer: str = option(help="SentencePiece .model file")
+    output: str = option(help="output directory for shards and manifest.json")
+    val_input: list[str] = option([], "held-out file or glob, repeatable: all its documents go to val_*.bin, none "
+                                      "to training (then --val_fraction defaults to 0)")
+    workers: Optional[int] = option(None, "tokeniser processes", meaning_of_null="all cores")
+    val_fraction: Optional[float] = option(None, "share of --input documents for validation, chosen by a hash of "
+                                                 "the text", meaning_of_null="0.0005; 0 with --val_input")
+    shard_tokens: int = option(1 << 27, "tokens per shard")
+    dtype: str = option("auto", "token type (auto: uint16 below 65500 pieces, else int32)",
+                        choices=["auto", "uint8", "uint16", "int32", "int64"])
+    text_key: str = option("text", "parquet column / JSON key holding the text")
+    time_limit: Optional[float] = option(None, "stop cleanly after this many seconds (exit status 3); rerun to "
+                                               "continue", meaning_of_null="no limit")
+    overwrite: bool = option(False, "delete shards, journal and manifest already in --output first")
+    quiet: bool = option(False, "no progress bar")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", required=True,
-                        help="parquet / jsonl[.zst|.gz] file or glob (quote it); repeatable, order kept")
-    parser.add_argument("--val_input", action="append", default=[],
-                        help="held-out file or glob, repeatable: all its documents go to val_*.bin, none to "
-                             "training (then --val_fraction defaults to 0)")
-    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
-    parser.add_argument("--output", required=True, help="output directory for shards and manifest.json")
-    parser.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: all cores)")
-    parser.add_argument("--val_fraction", type=float, default=None,
-                        help="share of --input documents for validation, chosen by a hash of the text "
-                             "(default 0.0005; 0 with --val_input)")
-    parser.add_argument("--shard_tokens", type=int, default=1 << 27, help="tokens per shard (default 2**27)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "uint8", "uint16", "int32", "int64"],
-                        help="token type (auto: uint16 below 65500 pieces, else int32)")
-    parser.add_argument("--text_key", default="text", help="parquet column / JSON key holding the text")
-    parser.add_argument("--time_limit", type=float, default=None,
-                        help="stop cleanly after this many seconds (exit status 3); rerun to continue")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete shards, journal and manifest already in --output first")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    args = parse_options(PrepareOptions, list(argv or []), "gdn2 prepare", __doc__.split("\n\n")[0])
+    if args is None:
+        return 0
     manifest = prepare(args.input, args.tokenizer, args.output, workers=args.workers, val_fraction=args.val_fraction,
                        shard_tokens=args.shard_tokens, dtype=args.dtype, text_key=args.text_key,
                        time_limit=args.time_limit, overwrite=args.overwrite, progress=not args.quiet,

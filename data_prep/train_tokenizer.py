@@ -40,15 +40,17 @@ character coverage 0.99995. Whitespace-only pieces are allowed, as in Llama-2's 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 import shutil
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from gdn2.commandline import option, parse_options
 from gdn2.data_prep.prepare import Skipped, expand_inputs, plan_units, read_documents
 
 LLAMA2_SETTINGS = dict(
@@ -205,29 +207,29 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
     return output
 
 
+@dataclass(kw_only=True)
+class TokenizerOptions:
+    input: list[str] = option(help="parquet / jsonl[.zst|.gz] / txt file or glob (quote it); repeatable")
+    output: str = option(help="PATH.model (PATH.vocab is written beside it)")
+    vocab_size: int = option(32000, "pieces")
+    newlines: str = option("pieces", "pieces: '\\n' and '\\n\\n' are tokens of their own and the trainer sees "
+                                     "documents; bytes: Llama-2's line-by-line training, newlines by byte fallback",
+                           choices=NEWLINE_MODES)
+    max_sentences: Optional[int] = option(None, "sentences given to the trainer",
+                                          meaning_of_null="500000 document pieces, or 2000000 lines with --newlines bytes")
+    max_documents: int = option(1_000_000, "stop reading after this many documents (0: read everything)")
+    seed: int = option(3407, "sampling and trainer seed")
+    character_coverage: float = option(DEFAULT_CHARACTER_COVERAGE, "SentencePiece's character coverage")
+    max_sentence_length: int = option(DEFAULT_MAX_SENTENCE_LENGTH, "bytes; longer lines are cut")
+    text_key: str = option("text", "parquet column / JSON key holding the text")
+    threads: Optional[int] = option(None, "trainer threads", meaning_of_null="all cores")
+    verbose: bool = option(False, "show SentencePiece's own log")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", required=True,
-                        help="parquet / jsonl[.zst|.gz] / txt file or glob (quote it); repeatable")
-    parser.add_argument("--vocab_size", type=int, default=32000)
-    parser.add_argument("--output", required=True, help="PATH.model (PATH.vocab is written beside it)")
-    parser.add_argument("--newlines", choices=NEWLINE_MODES, default="pieces",
-                        help="pieces: '\\n' and '\\n\\n' are tokens of their own and the trainer sees documents "
-                             "(default); bytes: Llama-2's line-by-line training, newlines by byte fallback")
-    parser.add_argument("--max_sentences", type=int, default=None,
-                        help="sentences given to the trainer (default 500000 document pieces, or 2000000 lines "
-                             "with --newlines bytes)")
-    parser.add_argument("--max_documents", type=int, default=1_000_000,
-                        help="stop reading after this many documents (0: read everything)")
-    parser.add_argument("--seed", type=int, default=3407)
-    parser.add_argument("--character_coverage", type=float, default=DEFAULT_CHARACTER_COVERAGE)
-    parser.add_argument("--max_sentence_length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
-                        help="bytes; longer lines are cut")
-    parser.add_argument("--text_key", default="text", help="parquet column / JSON key holding the text")
-    parser.add_argument("--threads", type=int, default=None, help="trainer threads (default: all cores)")
-    parser.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
-    args = parser.parse_args(argv)
+    args = parse_options(TokenizerOptions, list(argv or []), "gdn2 tokenizer", __doc__.split("\n\n")[0])
+    if args is None:
+        return 0
     max_sentences = args.max_sentences or DEFAULT_MAX_SENTENCES[args.newlines]
     sentences = sample_sentences(args.input, max_sentences, args.max_documents or None, args.seed,
                                  args.max_sentence_length, args.text_key, newlines=args.newlines)

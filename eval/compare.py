@@ -23,7 +23,6 @@ Runs must share a tokenizer (their losses are otherwise not comparable): the tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
+
+from gdn2.commandline import option, parse_options
 
 
 class CompareError(ValueError):
@@ -324,13 +325,17 @@ def compare(folders: Sequence[str | Path], out: str | Path, title: str = "Traini
     return runs
 
 
+@dataclass(kw_only=True)
+class CompareOptions:
+    runs: list[str] = option(help="run folders written by the trainer (out/<run>)", positional=True)
+    out: str = option(help="folder for compare.md, compare.json and compare.png")
+    title: str = option("Training runs compared", "heading of the table and the picture")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gdn2 compare", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run folders written by the trainer (out/<run>)")
-    parser.add_argument("--out", required=True, help="folder for compare.md, compare.json and compare.png")
-    parser.add_argument("--title", default="Training runs compared", help="heading of the table and the picture")
-    args = parser.parse_args(argv)
+    args = parse_options(CompareOptions, list(argv or []), "gdn2 compare", __doc__.split("\n\n")[0])
+    if args is None:
+        return 0
     try:
         compare(args.runs, args.out, args.title)
     except CompareError as error:

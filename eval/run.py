@@ -17,14 +17,15 @@ are not comparable with the paper's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from gdn2.commandline import option, parse_options
 from gdn2.eval.results import REFERENCE_AVERAGE, summarize
 
 # Columns of the paper's table: (header, task/metric key, scale).
@@ -87,13 +88,14 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def parse_limit(value: Optional[str]) -> Optional[float]:
+def parse_limit(value: Optional[float]) -> Optional[float]:
+    """``--limit``: a count (an integer >= 1) or a fraction below 1."""
     if value is None:
         return None
     number = float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"--limit must be positive, got {value}")
-    return int(number) if number >= 1 and number == int(number) else number
+    if number <= 0 or (number >= 1 and number != int(number)):
+        raise ValueError(f"--limit: must be a count or a fraction below 1, got {value}")
+    return int(number) if number >= 1 else number
 
 
 def default_output(checkpoint: Path) -> Path:
@@ -128,27 +130,29 @@ def merge_earlier(path: Path, record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+@dataclass(kw_only=True)
+class EvalOptions:
+    checkpoint: str = option(help="consolidated model.pt, a training checkpoint folder, or a folder of them (the newest)")
+    tasks: str = option(help="comma-separated lm-eval task or group names")
+    config: Optional[str] = option(None, "config name or YAML path", meaning_of_null="saved with the checkpoint")
+    tokenizer: Optional[str] = option(None, "tokenizer.model", meaning_of_null="found beside the checkpoint")
+    limit: Optional[float] = option(None, "examples per task: a count, or a fraction below 1", meaning_of_null="all")
+    include_path: Optional[str] = option(None, "folder of extra task YAMLs (gdn2's own tasks are always available)")
+    batch_size: str = option("auto", "an integer, or auto (32 on CUDA, 4 on CPU)")
+    device: Optional[str] = option(None, "e.g. cuda:0 or cpu", meaning_of_null="cuda when available")
+    dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, ...")
+    max_length: Optional[int] = option(None, "longest scored window", meaning_of_null="the config's block_size")
+    num_fewshot: Optional[int] = option(None, "few-shot examples", meaning_of_null="each task's own")
+    bootstrap_iters: int = option(1000, "bootstrap samples for the standard errors that need them (0 = skip)")
+    output: Optional[str] = option(None, "output folder", meaning_of_null="<run>/eval for a run's checkpoint")
+    log_samples: bool = option(False, "also write per-example outputs")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gdn2 eval", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True,
-                        help="consolidated model.pt, a training checkpoint folder, or a folder of them (the newest)")
-    parser.add_argument("--config", help="config name or YAML path (default: saved with the checkpoint)")
-    parser.add_argument("--tokenizer", help="tokenizer.model (default: found beside the checkpoint)")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
-    parser.add_argument("--limit", type=parse_limit, help="examples per task (int) or fraction (< 1)")
-    parser.add_argument("--include_path", default=None,
-                        help="folder of extra task YAMLs (gdn2's own local tasks are always available)")
-    parser.add_argument("--batch_size", default="auto", help="int, or 'auto' (32 on CUDA, 4 on CPU)")
-    parser.add_argument("--device", help="e.g. cuda:0 or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, ...")
-    parser.add_argument("--max_length", type=int, help="longest scored window (default: the config's block_size)")
-    parser.add_argument("--num_fewshot", type=int, help="few-shot examples (default: each task's own, 0 here)")
-    parser.add_argument("--bootstrap_iters", type=int, default=1000,
-                        help="bootstrap samples for the standard errors that need them (0 = skip)")
-    parser.add_argument("--output", help="output folder (default: <run>/eval for a run's checkpoint)")
-    parser.add_argument("--log_samples", action="store_true", help="also write per-example outputs")
-    args = parser.parse_args(argv)
+    args = parse_options(EvalOptions, list(argv or []), "gdn2 eval", __doc__.split("\n\n")[0])
+    if args is None:
+        return 0
+    args.limit = parse_limit(args.limit)
 
     import lm_eval
 

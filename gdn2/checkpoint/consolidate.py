@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -19,6 +20,7 @@ from gdn2.checkpoint.format import (CONFIG, STATE, _NAME, bare_state_dict, read_
                                     verify_checkpoint)
 from gdn2.checkpoint.resume import resume_candidates
 from gdn2.checkpoint.state import quiet_single_process
+from gdn2.commandline import option, parse_options
 from gdn2.files import file_sha256, fsync_dir
 from gdn2.tokenizer import TOKENIZER_FILE
 
@@ -130,21 +132,22 @@ def write_consolidated(path: Path, out: Path) -> dict[str, Any]:
             "config_name": consolidated["config"].get("name")}
 
 
+@dataclass(kw_only=True)
+class ConsolidateOptions:
+    checkpoint: str = option(help="a step-<N> checkpoint folder, or a folder of them (the newest complete one is used)",
+                             positional=True)
+    out: Optional[str] = option(None, "output folder", meaning_of_null="<run>/final, outside checkpoint rotation")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m gdn2 consolidate CHECKPOINT [--out DIR]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="gdn2 consolidate",
-        description="Turn a training checkpoint (sharded or not) into one model.pt for evaluation, generation "
-                    "and sharing: {model: fp32 state_dict under bare parameter names, config, step, tokens, "
-                    "recipe}, with config.yaml and tokenizer.model beside it. Runs in one CPU process, "
-                    "whatever the number of ranks that wrote the checkpoint.")
-    parser.add_argument("checkpoint", help="a step-<N> checkpoint folder, or a folder of them (the newest "
-                                           "complete one is used)")
-    parser.add_argument("--out", default=None, help="output folder (default: <run>/final, outside checkpoint "
-                                                    "rotation)")
-    args = parser.parse_args(argv)
+    args = parse_options(
+        ConsolidateOptions, list(argv or []), "gdn2 consolidate",
+        "Turn a training checkpoint (sharded or not) into one model.pt for evaluation, generation and sharing: "
+        "{model: fp32 state_dict under bare parameter names, config, step, tokens, recipe}, with config.yaml and "
+        "tokenizer.model beside it. Runs in one CPU process, whatever the number of ranks that wrote the checkpoint.")
+    if args is None:
+        return 0
     root = Path(args.checkpoint)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint {root} does not exist")

@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from gdn2.checkpoint.load import load_model
+from gdn2.commandline import option, parse_options
 from gdn2.generation.generator import Generator
 from gdn2.generation.sampling import SamplingParams
 from gdn2.tokenizer import TOKENIZER_FILE
@@ -18,31 +19,36 @@ from gdn2.tokenizer import TOKENIZER_FILE
 __all__ = ["main"]
 
 
+@dataclass(kw_only=True)
+class GenerateOptions:
+    checkpoint: str = option(help="consolidated .pt file or training checkpoint directory")
+    prompt: list[str] = option(help="repeatable: prompts run as one batch")
+    config: Optional[str] = option(None, "config name or YAML path", meaning_of_null="the one saved with the checkpoint")
+    tokenizer: Optional[str] = option(None, f"{TOKENIZER_FILE} path", meaning_of_null="found beside the checkpoint")
+    max_new_tokens: int = option(64, "tokens to generate per prompt")
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy")
+    top_k: int = option(0, "sample among the k likeliest tokens; 0 = all")
+    top_p: float = option(1.0, "sample among the likeliest tokens holding this probability mass")
+    seed: Optional[int] = option(None, "sampling seed", meaning_of_null="not seeded")
+    stop: list[str] = option([], "repeatable stop string (backslash escapes such as \\n are read)")
+    device: Optional[str] = option(None, "e.g. cuda:0 or cpu", meaning_of_null="cuda when available")
+    dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, ...")
+    no_cuda_graph: bool = option(False, "decode without CUDA graphs")
+    compile: Optional[bool] = option(None, "torch.compile the decode step (the first call compiles, ~10 s)",
+                                     meaning_of_null="on CUDA")
+    no_compile: bool = option(False, "do not compile the decode step (the same as --compile false)")
+    no_fused: bool = option(False, "decode on the parameters as they are, without the fused weight copies")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gdn2 generate", description="Generate text from a gdn2 checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="consolidated .pt file or training checkpoint directory")
-    parser.add_argument("--config", help="config name or YAML path (default: the one saved with the checkpoint)")
-    parser.add_argument("--tokenizer", help=f"{TOKENIZER_FILE} path (default: found beside the checkpoint)")
-    parser.add_argument("--prompt", action="append", required=True, help="repeatable: prompts run as one batch")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=0)
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", default=[], help="repeatable stop string")
-    parser.add_argument("--device")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--no_cuda_graph", action="store_true")
-    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
-                        help="torch.compile the decode step (default: on CUDA; the first call compiles, ~10 s)")
-    parser.add_argument("--no_compile", dest="compile", action="store_false", help="do not compile the decode step")
-    parser.add_argument("--no_fused", action="store_true",
-                        help="decode on the parameters as they are, without the fused weight copies")
-    args = parser.parse_args(argv)
+    args = parse_options(GenerateOptions, list(argv or []), "gdn2 generate", "Generate text from a gdn2 checkpoint.")
+    if args is None:
+        return 0
     loaded = load_model(args.checkpoint, config=args.config, tokenizer=args.tokenizer, device=args.device,
                         dtype=args.dtype)
     gen = Generator(loaded.model, loaded.tokenizer, max_batch_size=len(args.prompt),
-                    cuda_graph=False if args.no_cuda_graph else None, compile=args.compile,
+                    cuda_graph=False if args.no_cuda_graph else None,
+                    compile=False if args.no_compile else args.compile,
                     fused=not args.no_fused)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop=tuple(s.encode().decode("unicode_escape") for s in args.stop),

@@ -13,7 +13,6 @@ checkpoint (``model.pt`` with its sha256, ``tokenizer.model``); export -> import
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +21,10 @@ from typing import Optional
 import torch
 
 from gdn2.files import file_sha256
+from dataclasses import dataclass
+
 from gdn2.checkpoint.load import DTYPES, read_checkpoint
+from gdn2.commandline import option, parse_options
 from gdn2.config import Config
 
 AUTO_MAP = {"AutoConfig": "configuration_gdn2.GDN2Config", "AutoModelForCausalLM": "modeling_gdn2.GDN2ForCausalLM"}
@@ -103,20 +105,39 @@ def import_folder(model: str | Path, out: str | Path) -> Path:
     return out / "model.pt"
 
 
+@dataclass(kw_only=True)
+class ExportOptions:
+    checkpoint: str = option(help="model.pt, a training checkpoint or a folder of them")
+    out: str = option(help="the model folder to write")
+    dtype: Optional[str] = option(None, "weights' dtype (A_log and dt_bias stay float32)",
+                                  choices=["float32", "bfloat16", "float16"], meaning_of_null="float32")
+    tokenizer: Optional[str] = option(None, "tokenizer.model", meaning_of_null="found beside the checkpoint")
+
+
+@dataclass(kw_only=True)
+class ImportOptions:
+    model: str = option(help="the model folder")
+    out: str = option(help="folder for model.pt and tokenizer.model")
+
+
+ACTIONS = {"export": (ExportOptions, "a gdn2 checkpoint -> a Hugging Face model folder"),
+           "import": (ImportOptions, "a Hugging Face folder written by export -> a gdn2 checkpoint")}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gdn2 hf", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="a gdn2 checkpoint -> a Hugging Face model folder")
-    ex.add_argument("--checkpoint", required=True, help="model.pt, a training checkpoint or a folder of them")
-    ex.add_argument("--out", required=True, help="the model folder to write")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="weights' dtype (default float32; A_log and dt_bias stay float32)")
-    ex.add_argument("--tokenizer", default=None, help="tokenizer.model (default: found beside the checkpoint)")
-    im = commands.add_parser("import", help="a Hugging Face folder written by export -> a gdn2 checkpoint")
-    im.add_argument("--model", required=True, help="the model folder")
-    im.add_argument("--out", required=True, help="folder for model.pt and tokenizer.model")
-    args = parser.parse_args(argv)
-    if args.command == "export":
+    argv = list(argv or [])
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gdn2 hf {export,import} [options]   (gdn2 hf export --help for its options)\n\n"
+              + __doc__.split("\n\n")[0] + "\n\n"
+              + "\n".join(f"  {name:<7} {text}" for name, (_, text) in ACTIONS.items()))
+        return 0 if argv else 2
+    if argv[0] not in ACTIONS:
+        raise ValueError(f"unknown action {argv[0]!r}; gdn2 hf takes export or import")
+    cls, text = ACTIONS[argv[0]]
+    args = parse_options(cls, argv[1:], f"gdn2 hf {argv[0]}", text)
+    if args is None:
+        return 0
+    if isinstance(args, ExportOptions):
         out = export(args.checkpoint, args.out, args.dtype, args.tokenizer)
         print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     else:

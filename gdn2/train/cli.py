@@ -6,56 +6,48 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
-USAGE = """usage: python -m gdn2 pretrain --config NAME|PATH.yaml [--section.key value ...]
-                               [--resume auto|PATH] [--out_dir DIR] [--help] [--debug]
+from gdn2.commandline import command_help, option, parse_options, underscore_flags
 
-  --config NAME       a named config (gdn2/configs/NAME.yaml) or a YAML path; holds the model and the recipe
-  --resume auto|PATH  auto: continue from the newest complete checkpoint of the run (start fresh if there
-                      is none); PATH: a checkpoint folder (step-<N>) or a folder of checkpoints
-  --out_dir DIR       run folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/ (default out/NAME)
-  --section.key VALUE override one recipe value (also --section.key=VALUE); lists in YAML: [1, 2]
-  --help              this text; with --config, the defaults shown are that config's values
-  --debug             a traceback instead of one line for an expected error
-
-options (section.key, type, default):"""
+DESCRIPTION = """Train a model. Besides the options below, --section.key VALUE (or --section.key=VALUE)
+overrides one recipe value (lists in YAML: [1, 2]); the recipe's sections and keys follow, with that
+config's values when --config is given."""
 
 
-def parse_args(argv: list[str]) -> tuple[Optional[str], dict[str, str], Optional[str], Optional[str], bool]:
-    """(config, overrides, resume, out_dir, help) from the command line; ValueError on bad syntax."""
-    config = resume = out_dir = None
+@dataclass(kw_only=True)
+class PretrainOptions:
+    config: str = option(help="a named config (configs/NAME.yaml) or a YAML path; holds the model and the recipe")
+    resume: Optional[str] = option(None, "auto: continue from the newest complete checkpoint of the run (start "
+                                         "fresh if there is none); PATH: a checkpoint folder (step-<N>) or a "
+                                         "folder of checkpoints", meaning_of_null="start fresh")
+    out_dir: Optional[str] = option(None, "run folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/",
+                                    meaning_of_null="out/<config>")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the command's own flags, ``{"section.key": text}``) from the command line; ValueError for a
+    recipe key given twice or without a value."""
+    rest: list[str] = []
     overrides: dict[str, str] = {}
-    want_help = False
+    argv = underscore_flags(argv)
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("-h", "--help"):
-            want_help = True
-            i += 1
-            continue
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; options look like --section.key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ValueError(f"--{key} needs a value")
-            value = argv[i + 1]
-            i += 1
         i += 1
-        if key == "config":
-            config = value
-        elif key == "resume":
-            resume = value
-        elif key == "out_dir":
-            out_dir = value
-        elif "." in key:
-            if key in overrides:
-                raise ValueError(f"--{key} given twice")
-            overrides[key] = value
-        else:
-            raise ValueError(f"unknown option --{key}; expected --config, --resume, --out_dir or --section.key")
-    return config, overrides, resume, out_dir, want_help
+        key, eq, value = arg[2:].partition("=")
+        if not (arg.startswith("--") and "." in key):
+            rest.append(arg)
+            continue
+        if not eq:
+            if i >= len(argv):
+                raise ValueError(f"--{key} needs a value")
+            value, i = argv[i], i + 1
+        if key in overrides:
+            raise ValueError(f"--{key} given twice")
+        overrides[key] = value
+    return rest, overrides
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -64,20 +56,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     from gdn2.train.recipe import load_recipe, options_help
 
     argv = sys.argv[1:] if argv is None else argv
-    config, overrides, resume, out_dir, want_help = parse_args(argv)
-    if want_help:
-        recipe = load_recipe(config, overrides, out_dir) if config else None
-        print(USAGE + options_help(recipe))
+    rest, overrides = split_overrides(argv)
+    if "-h" in rest or "--help" in rest:
+        # with --config, the defaults shown are that config's values
+        named = [a for a in rest if a not in ("-h", "--help")]
+        shown = parse_options(PretrainOptions, named, "gdn2 pretrain") if "--config" in " ".join(named) else None
+        recipe = load_recipe(shown.config, overrides, shown.out_dir) if shown is not None else None
+        print(command_help(PretrainOptions, "gdn2 pretrain", DESCRIPTION) + "\n" + options_help(recipe))
         return 0
-    if config is None:
-        raise ValueError("--config is required (a named config or a YAML path)")
-    recipe = load_recipe(config, overrides, out_dir)
+    args = parse_options(PretrainOptions, rest, "gdn2 pretrain", DESCRIPTION)
+    recipe = load_recipe(args.config, overrides, args.out_dir)
 
     from gdn2.train.loop import NonFiniteLossError, fit
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        fit(recipe, resume=resume)
+        fit(recipe, resume=args.resume)
     except NonFiniteLossError as e:
         print(f"pretrain: error: {e}", file=sys.stderr)
         return 3

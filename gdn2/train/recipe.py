@@ -7,153 +7,145 @@ Everything is validated before any work starts; errors name the offending key.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
-from gdn2.config import Config, check_type, dataclass_from_dict, find_config_file, load_yaml
-
-
-def _opt(default: Any, help: str) -> Any:
-    """A dataclass field with a help text (shown by ``--help``)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+from gdn2.commandline import describe_option, option, parse_text_value, strip_optional
+from gdn2.config import Config, dataclass_from_dict, find_config_file, load_yaml
 
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int = _opt(128, "sequences per optimizer step over all ranks (128 x 4096 = 0.5M tokens)")
-    micro_batch_size: int = _opt(4, "sequences per forward/backward on one device; gradient accumulation "
+    global_batch_size: int = option(128, "sequences per optimizer step over all ranks (128 x 4096 = 0.5M tokens)")
+    micro_batch_size: int = option(4, "sequences per forward/backward on one device; gradient accumulation "
                                     "= global_batch_size / (micro_batch_size x world size)")
-    max_tokens: Optional[int] = _opt(100_000_000_000, "training length in tokens, rounded up to whole "
+    max_tokens: Optional[int] = option(100_000_000_000, "training length in tokens, rounded up to whole "
                                                       "optimizer steps")
-    max_steps: Optional[int] = _opt(None, "training length in optimizer steps; overrides max_tokens")
-    warmup_fraction: float = _opt(0.01, "linear warmup length as a fraction of the optimizer steps")
-    warmup_steps: Optional[int] = _opt(None, "linear warmup length in optimizer steps; overrides warmup_fraction")
-    min_lr_ratio: float = _opt(0.1, "the cosine decays to optimizer.lr x min_lr_ratio")
-    grad_clip: Optional[float] = _opt(1.0, "clip the global gradient norm to this; null: no clipping")
-    seed: int = _opt(3407, "seed of the model init and of the data order")
-    activation_checkpointing: bool = _opt(False, "recompute each Block's activations in the backward pass")
-    compile: bool = _opt(True, "fuse the model's elementwise stages (norms, gates, short convolutions, "
+    max_steps: Optional[int] = option(None, "training length in optimizer steps; overrides max_tokens")
+    warmup_fraction: float = option(0.01, "linear warmup length as a fraction of the optimizer steps")
+    warmup_steps: Optional[int] = option(None, "linear warmup length in optimizer steps; overrides warmup_fraction")
+    min_lr_ratio: float = option(0.1, "the cosine decays to optimizer.lr x min_lr_ratio")
+    grad_clip: Optional[float] = option(1.0, "clip the global gradient norm to this; null: no clipping")
+    seed: int = option(3407, "seed of the model init and of the data order")
+    activation_checkpointing: bool = option(False, "recompute each Block's activations in the backward pass")
+    compile: bool = option(True, "fuse the model's elementwise stages (norms, gates, short convolutions, "
                                "SwiGLU, RoPE) with torch.compile; CUDA only")
-    max_wall_time: Optional[str] = _opt(None, "save and exit cleanly after this much wall time: seconds, "
+    max_wall_time: Optional[str] = option(None, "save and exit cleanly after this much wall time: seconds, "
                                               "'HH:MM:SS' or 'D-HH:MM:SS'")
-    stop_at_step: Optional[int] = _opt(None, "save and exit after this optimizer step; the schedule still "
+    stop_at_step: Optional[int] = option(None, "save and exit after this optimizer step; the schedule still "
                                              "spans the whole run")
-    max_consecutive_nonfinite: int = _opt(5, "stop with an error after more than this many optimizer steps "
+    max_consecutive_nonfinite: int = option(5, "stop with an error after more than this many optimizer steps "
                                              "in a row skipped for a non-finite loss or gradient norm")
-    loss_chunk_tokens: int = _opt(8192, "the fp32 cross-entropy runs over this many tokens at a time")
-    fused_loss: bool = _opt(True, "the loss straight from the final hidden states and the head's weight, "
+    loss_chunk_tokens: int = option(8192, "the fp32 cross-entropy runs over this many tokens at a time")
+    fused_loss: bool = option(True, "the loss straight from the final hidden states and the head's weight, "
                                    "a slice of tokens at a time: the logits never exist whole")
-    grouped_projections: bool = _opt(True, "one GEMM for the projections that read one input (a GDN-2 "
+    grouped_projections: bool = option(True, "one GEMM for the projections that read one input (a GDN-2 "
                                             "layer's seven, the MLP's two)")
-    recompute: bool = _opt(False, "the GDN-2 layers' short-convolution outputs, gates, output gate and gated "
+    recompute: bool = option(False, "the GDN-2 layers' short-convolution outputs, gates, output gate and gated "
                                   "norm, and the GDN-2 operator's chunk intermediates, rebuilt in the backward "
                                   "instead of kept (swa_gdn2_1.3B at 4 x 4096: 44.2 GiB instead of 51.0, a few "
                                   "percent more step time); no effect with activation_checkpointing")
-    float8: Optional[str] = _opt(None, "the blocks' projections as float8 GEMMs (torchao): tensorwise, rowwise "
+    float8: Optional[str] = option(None, "the blocks' projections as float8 GEMMs (torchao): tensorwise, rowwise "
                                        "or rowwise_with_gw_hp scaling; null: bf16. Needs a GPU of compute "
                                        "capability 8.9+ and pip install 'gdn2[float8]'")
-    profile_steps: Optional[str] = _opt(None, "record these optimizer steps with torch.profiler ('10-12' or '7'), "
+    profile_steps: Optional[str] = option(None, "record these optimizer steps with torch.profiler ('10-12' or '7'), "
                                               "a trace per rank in <out_dir>/profile/")
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = _opt(4e-4, "peak learning rate (AdamW)")
-    betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
-    eps: float = _opt(1e-8, "AdamW epsilon")
-    weight_decay: float = _opt(0.1, "decoupled weight decay of matrices and embeddings")
-    decay_all: bool = _opt(False, "also decay A_log, dt_bias, norm weights and biases (the reference "
+    lr: float = option(4e-4, "peak learning rate (AdamW)")
+    betas: list[float] = option([0.9, 0.95], "AdamW betas")
+    eps: float = option(1e-8, "AdamW epsilon")
+    weight_decay: float = option(0.1, "decoupled weight decay of matrices and embeddings")
+    decay_all: bool = option(False, "also decay A_log, dt_bias, norm weights and biases (the reference "
                                   "code's behaviour)")
-    fused: Optional[bool] = _opt(None, "fused AdamW kernel; null: on CUDA only")
+    fused: Optional[bool] = option(None, "fused AdamW kernel; null: on CUDA only")
 
 
 @dataclass
 class DataConfig:
-    train: list[Any] = _opt(["data/default"], "training sources: a list of paths / globs / directories, "
+    train: list[Any] = option(["data/default"], "training sources: a list of paths / globs / directories, "
                                               "or of {path, weight} mappings")
-    val: Optional[str] = _opt("data/default", "validation source (directory means its val_*.bin); "
+    val: Optional[str] = option("data/default", "validation source (directory means its val_*.bin); "
                                                "null: no validation")
-    num_workers: int = _opt(2, "data-loader worker processes per rank")
-    document_masking: bool = _opt(False, "restart GDN-2 state, conv and attention at every EOS (cu_seqlens)")
-    eos_id: int = _opt(2, "end-of-document token id")
-    prepare_default: bool = _opt(False, "when the built-in corpus's folder data/default holds no shards, build "
+    num_workers: int = option(2, "data-loader worker processes per rank")
+    document_masking: bool = option(False, "restart GDN-2 state, conv and attention at every EOS (cu_seqlens)")
+    eos_id: int = option(2, "end-of-document token id")
+    prepare_default: bool = option(False, "when the built-in corpus's folder data/default holds no shards, build "
                                         "it first (python -m gdn2 corpus); no other folder is ever built")
 
 
 @dataclass
 class EvalConfig:
-    interval: int = _opt(1000, "validate every this many optimizer steps; 0: never")
-    num_batches: int = _opt(16, "micro-batches per rank and per length")
-    length_multipliers: list[int] = _opt([1, 2, 3, 4], "validate at these multiples of model.block_size")
-    micro_batch_size: Optional[int] = _opt(None, "validation micro-batch at 1x; null: train.micro_batch_size. "
+    interval: int = option(1000, "validate every this many optimizer steps; 0: never")
+    num_batches: int = option(16, "micro-batches per rank and per length")
+    length_multipliers: list[int] = option([1, 2, 3, 4], "validate at these multiples of model.block_size")
+    micro_batch_size: Optional[int] = option(None, "validation micro-batch at 1x; null: train.micro_batch_size. "
                                                  "Divided by the multiplier at longer lengths (at least 1)")
-    at_end: bool = _opt(True, "validate after the last step")
+    at_end: bool = option(True, "validate after the last step")
 
 
 @dataclass
 class LmEvalConfig:
-    interval: int = _opt(0, "run lm-eval tasks every this many optimizer steps; 0: never")
-    tasks: list[str] = _opt(["gdn2_local"], "lm-eval task or group names (gdn2_local: offline tasks shipped "
+    interval: int = option(0, "run lm-eval tasks every this many optimizer steps; 0: never")
+    tasks: list[str] = option(["gdn2_local"], "lm-eval task or group names (gdn2_local: offline tasks shipped "
                                             "with gdn2)")
-    limit: Optional[float] = _opt(None, "examples per task: an integer count, or a fraction below 1; "
+    limit: Optional[float] = option(None, "examples per task: an integer count, or a fraction below 1; "
                                         "null: all")
-    batch_size: int = _opt(8, "sequences per scoring batch")
-    include_path: Optional[str] = _opt(None, "folder of extra task YAMLs (lm-eval's and gdn2's own are always "
+    batch_size: int = option(8, "sequences per scoring batch")
+    include_path: Optional[str] = option(None, "folder of extra task YAMLs (lm-eval's and gdn2's own are always "
                                              "available)")
-    tokenizer: Optional[str] = _opt(None, "SentencePiece model; null: tokenizer.model of the training data")
-    at_end: bool = _opt(False, "also run them after the last step")
+    tokenizer: Optional[str] = option(None, "SentencePiece model; null: tokenizer.model of the training data")
+    at_end: bool = option(False, "also run them after the last step")
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _opt(1000, "save every this many optimizer steps; 0: only at the end and on signals")
-    keep_last: int = _opt(3, "keep this many complete checkpoints, delete older ones")
-    dir: Optional[str] = _opt(None, "checkpoint folder; null: <out_dir>/checkpoints")
-    state_dict_type: str = _opt("sharded", "'sharded' (torch.distributed.checkpoint, each rank writes its "
+    interval: int = option(1000, "save every this many optimizer steps; 0: only at the end and on signals")
+    keep_last: int = option(3, "keep this many complete checkpoints, delete older ones")
+    dir: Optional[str] = option(None, "checkpoint folder; null: <out_dir>/checkpoints")
+    state_dict_type: str = option("sharded", "'sharded' (torch.distributed.checkpoint, each rank writes its "
                                            "shards) or 'full' (rank 0 writes one file); either resumes on "
                                            "any number of ranks")
-    at_end: bool = _opt(True, "save after the last step")
+    at_end: bool = option(True, "save after the last step")
 
 
 @dataclass
 class LoggingConfig:
-    interval: int = _opt(10, "log train metrics every this many optimizer steps")
-    tensorboard: bool = _opt(True, "write TensorBoard events to <out_dir>/tensorboard")
-    jsonl: bool = _opt(True, "append metrics to <out_dir>/metrics.jsonl")
-    csv: bool = _opt(False, "also write <out_dir>/csv/metrics.csv (Fabric's CSVLogger)")
-    wandb: bool = _opt(False, "also log to Weights & Biases (pip install wandb), files in <out_dir>/wandb")
-    wandb_project: str = _opt("gdn2", "Weights & Biases project")
-    wandb_mode: str = _opt("online", "online, or offline (no network; upload later with wandb sync)")
-    progress_bar: bool = _opt(True, "tqdm progress bar with ETA on rank 0")
-    peak_flops: Optional[float] = _opt(None, "dense bf16 peak FLOP/s of one device for MFU; null: look "
+    interval: int = option(10, "log train metrics every this many optimizer steps")
+    tensorboard: bool = option(True, "write TensorBoard events to <out_dir>/tensorboard")
+    jsonl: bool = option(True, "append metrics to <out_dir>/metrics.jsonl")
+    csv: bool = option(False, "also write <out_dir>/csv/metrics.csv (Fabric's CSVLogger)")
+    wandb: bool = option(False, "also log to Weights & Biases (pip install wandb), files in <out_dir>/wandb")
+    wandb_project: str = option("gdn2", "Weights & Biases project")
+    wandb_mode: str = option("online", "online, or offline (no network; upload later with wandb sync)")
+    progress_bar: bool = option(True, "tqdm progress bar with ETA on rank 0")
+    peak_flops: Optional[float] = option(None, "dense bf16 peak FLOP/s of one device for MFU; null: look "
                                              "up the device name")
 
 
 @dataclass
 class DistributedConfig:
-    accelerator: str = _opt("auto", "auto | cuda | cpu")
-    devices: Optional[int] = _opt(None, "devices per node; null: from SLURM / torchrun, else every GPU "
+    accelerator: str = option("auto", "auto | cuda | cpu")
+    devices: Optional[int] = option(None, "devices per node; null: from SLURM / torchrun, else every GPU "
                                         "(1 on CPU)")
-    num_nodes: Optional[int] = _opt(None, "nodes; null: from SLURM / torchrun, else 1")
-    precision: str = _opt("auto", "auto (bf16-mixed on CUDA, 32-true on CPU) | bf16-mixed | 32-true")
-    strategy: str = _opt("auto", "auto (fsdp with several CUDA devices, ddp with several CPU processes) "
+    num_nodes: Optional[int] = option(None, "nodes; null: from SLURM / torchrun, else 1")
+    precision: str = option("auto", "auto (bf16-mixed on CUDA, 32-true on CPU) | bf16-mixed | 32-true")
+    strategy: str = option("auto", "auto (fsdp with several CUDA devices, ddp with several CPU processes) "
                                  "| fsdp | fsdp2 (fully_shard; CUDA or CPU processes) | ddp")
-    sharding: str = _opt("auto", "FSDP sharding: auto (full on one node, hybrid across nodes) | full | "
+    sharding: str = option("auto", "FSDP sharding: auto (full on one node, hybrid across nodes) | full | "
                                  "hybrid | grad_op")
-    replicas: Optional[int] = _opt(None, "hybrid sharding: groups of ranks, the model sharded within each and "
+    replicas: Optional[int] = option(None, "hybrid sharding: groups of ranks, the model sharded within each and "
                                          "replicated across them; null: one group per node")
-    requeue: bool = _opt(True, "under SLURM, after saving on SIGUSR1/SIGTERM, requeue the job (scontrol)")
-    timeout_minutes: int = _opt(30, "collective-communication timeout")
+    requeue: bool = option(True, "under SLURM, after saving on SIGUSR1/SIGTERM, requeue the job (scontrol)")
+    timeout_minutes: int = option(30, "collective-communication timeout")
 
 
 SECTIONS: dict[str, type] = {
@@ -222,62 +214,13 @@ class Recipe:
 # values from text: the CLI and (for numbers PyYAML leaves as strings, e.g. 4e-4) the YAML files
 # --------------------------------------------------------------------------------------------------
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def parse_text_value(raw: str, tp: Any, key: str) -> Any:
-    """Turn the text ``raw`` into a value of field type ``tp``; errors name ``key``."""
-    inner, optional = _strip_optional(tp)
-    if optional and raw.strip().lower() in ("null", "none", "~"):
-        return None
-    try:
-        if inner is bool:
-            low = raw.strip().lower()
-            if low in ("true", "yes", "1", "on"):
-                return True
-            if low in ("false", "no", "0", "off"):
-                return False
-            raise ValueError
-        if inner is int:
-            try:
-                return int(raw)
-            except ValueError:
-                as_float = float(raw)  # 100e9, 1.5e6
-                if not as_float.is_integer():
-                    raise
-                return int(as_float)
-        if inner is float:
-            return float(raw)
-        if inner is str:
-            return raw
-    except ValueError:
-        kind = {bool: "true/false", int: "an integer", float: "a number"}[inner]
-        raise ValueError(f"{key}: expected {kind}, got {raw!r}") from None
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{key}: cannot parse {raw!r}: {e}") from None
-    if typing.get_origin(inner) is list and isinstance(value, (str, int, float)):
-        value = [value]  # --data.train data/x means a one-element list
-    if typing.get_origin(inner) is list and isinstance(value, list):
-        (elem,) = typing.get_args(inner) or (Any,)
-        value = [parse_text_value(v, elem, f"{key}[{i}]") if isinstance(v, str) and elem in (int, float) else v
-                 for i, v in enumerate(value)]
-    return check_type(value, tp, key)
-
-
 def _coerce_section(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     """Numbers written as text in YAML (PyYAML reads ``4e-4`` as a string) become numbers."""
     hints = typing.get_type_hints(cls)
     out = dict(data)
     for key, value in data.items():
         if key in hints and isinstance(value, str):
-            inner, _ = _strip_optional(hints[key])
+            inner, _ = strip_optional(hints[key])
             if inner in (int, float):
                 out[key] = parse_text_value(value, hints[key], f"{where}.{key}")
     return out
@@ -440,14 +383,6 @@ def load_recipe(config: str, overrides: Optional[dict[str, str]] = None, out_dir
     return recipe
 
 
-def recipe_from_dict(data: dict[str, Any], out_dir: str, config_name: str = "checkpoint") -> Recipe:
-    """A Recipe from ``Recipe.sections_dict()`` output (the YAML saved with a checkpoint)."""
-    sections = {name: dataclass_from_dict(cls, data.get(name) or {}, name) for name, cls in SECTIONS.items()}
-    recipe = Recipe(config_name=config_name, model=Config.from_dict(data["model"]), out_dir=out_dir, **sections)
-    _validate(recipe)
-    return recipe
-
-
 # --------------------------------------------------------------------------------------------------
 # the plan: what follows from the recipe and the world size
 # --------------------------------------------------------------------------------------------------
@@ -495,26 +430,6 @@ def make_plan(recipe: Recipe, world_size: int) -> TrainPlan:
 # --help
 # --------------------------------------------------------------------------------------------------
 
-def _type_name(tp: Any) -> str:
-    inner, optional = _strip_optional(tp)
-    if typing.get_origin(inner) is list:
-        (elem,) = typing.get_args(inner) or (Any,)
-        name = f"list[{getattr(elem, '__name__', 'any')}]"
-    else:
-        name = getattr(inner, "__name__", str(inner))
-    return f"{name} | null" if optional else name
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        return yaml.safe_dump(value, default_flow_style=True).strip()
-    return str(value)
-
-
 # What a null default stands for, as --help shows it.
 _NULL_MEANS = {
     ("eval", "micro_batch_size"): lambda r: f"train.micro_batch_size = {r.train.micro_batch_size}" if r
@@ -542,15 +457,13 @@ def options_help(recipe: Optional[Recipe] = None) -> str:
                 default = f.default
             else:
                 default = f.default_factory()  # type: ignore[misc]
-            shown = _fmt(default)
-            if default is None and (section, f.name) in _NULL_MEANS:
-                shown = f"null, meaning {_NULL_MEANS[(section, f.name)](recipe)}"
-            lines.append(f"  --{section}.{f.name} ({_type_name(hints[f.name])}, default: {shown})")
-            lines.append(f"      {f.metadata.get('help', '')}")
+            null = _NULL_MEANS[(section, f.name)](recipe) if (section, f.name) in _NULL_MEANS else None
+            lines += describe_option(f"--{section}.{f.name}", hints[f.name], default, f.metadata.get("help", ""),
+                                     null, _CHOICES.get((section, f.name)))
     lines.append("\nmodel:")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         default = getattr(recipe.model, f.name) if recipe is not None else f.default
-        lines.append(f"  --model.{f.name} ({_type_name(hints[f.name])}, default: {_fmt(default)})")
+        lines.append(describe_option(f"--model.{f.name}", hints[f.name], default, "")[0])
     lines.append("      (architecture keys: see gdn2/config.py; changing them makes a checkpoint incompatible)")
     return "\n".join(lines)
