@@ -47,3 +47,12 @@ def ops_settings():
 
     with ExitStack() as stack:
         yield lambda **changes: stack.enter_context(override(**changes))
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    """(folder, Tokenizer, Config) of a tiny checkpoint: model.pt {model, config} and tokenizer.model
+    (tests/tiny_checkpoint.py)."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))

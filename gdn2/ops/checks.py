@@ -76,3 +76,25 @@ def check_cu_seqlens(cu_seqlens, batch: int, length: int) -> Optional[int]:
     if any(a >= c for a, c in zip(cu[:-1], cu[1:])):
         raise ValueError("cu_seqlens must be strictly increasing")
     return len(cu) - 1
+
+
+def check_decode_inputs(qkv, cos, sin, k_cache, v_cache, positions, slot, visible,
+                        n_head) -> tuple[int, int, int, int, int]:
+    """Raise ValueError for inputs outside the contract; else (B, C, Hkv, D, query heads per key/value head)."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [B, capacity, Hkv, D], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    B, C, Hkv, D = k_cache.shape
+    if n_head % Hkv:
+        raise ValueError(f"n_head={n_head} is not a multiple of the {Hkv} key/value heads")
+    if qkv.shape != (B, (n_head + 2 * Hkv) * D):
+        raise ValueError(f"qkv must be [B, (n_head + 2*Hkv) * D] = [{B}, {(n_head + 2 * Hkv) * D}], "
+                         f"got {tuple(qkv.shape)}")
+    if cos.shape != (B, D) or sin.shape != (B, D):
+        raise ValueError(f"cos and sin must be [B, D] = [{B}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if D % 2:
+        raise ValueError(f"rotate-half RoPE needs an even head size, got {D}")
+    if positions.shape != (C,) or slot.numel() != 1 or visible.shape != (B, C):
+        raise ValueError(f"positions [C], slot [1] and visible [B, C] expected for C={C}, got "
+                         f"{tuple(positions.shape)}, {tuple(slot.shape)}, {tuple(visible.shape)}")
+    return B, C, Hkv, D, n_head // Hkv

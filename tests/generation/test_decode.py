@@ -1,5 +1,6 @@
 """gdn2/generation/decode.py: every cached path gives the logits of the full forward pass; the fused decode
-weights are copies that follow the parameters; the compiled decode step traces whole."""
+weights are copies that follow the parameters; the compiled decode step traces whole; the decode steps
+with the attention layers on the ring-buffer decode kernel (Triton's interpreter on the CPU)."""
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ CONFIGS = {
     "transformer_tiny": dict(n_query_groups=2),
 }
 LENGTHS, STEPS = [5, 13, 1, 9], 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _cache_tensors(cache):
@@ -234,3 +236,36 @@ def test_captured_decode_step_gives_the_eager_steps_logits():
     for e, g in zip(run(False), run(True)):
         err = ((g.double() - e.double()).norm() / e.double().norm()).item()
         assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("name,kw", [("swa_gdn2_tiny", dict(sliding_window=6, gdn2_recurrent_max_len=4)),
+                                     ("transformer_tiny", dict(n_query_groups=2))])
+@pytest.mark.slow
+def test_decode_on_the_kernel_equals_the_full_forward(monkeypatch, name, kw):
+    """The model's decode steps (fused and not) with the attention layers on the kernel, fp32,
+    ragged prompts, a window that wraps the ring: the logits of the full forward pass. Only the decode
+    attention op runs on Triton here; the other operators' kernels have tests of their own."""
+    import functools
+
+    import gdn2.ops.decode_attention.api as decode_api
+    from gdn2.config import Config
+    from gdn2.generation import DecodeWeights, InferenceCache, decode_step, prefill
+    from gdn2.model import GPT
+
+    monkeypatch.setattr(decode_api, "ring_decode_attention",
+                        functools.partial(decode_api.ring_decode_attention, backend="triton"))
+    torch.manual_seed(0)
+    model = GPT(Config.from_name(name, vocab_size=128, n_layer=2, **kw)).to(DEVICE).eval()
+    lengths, steps = [5, 9, 1], 7
+    seqs = [torch.randint(0, 128, (n + steps,), device=DEVICE) for n in lengths]
+    with torch.no_grad():
+        full = [model(s[None])[0] for s in seqs]
+        for weights in (None, DecodeWeights(model)):
+            cache = InferenceCache(model, len(seqs), max_length=32)
+            logits = prefill(model, [s[:n] for s, n in zip(seqs, lengths)], cache)
+            for j in range(steps + 1):
+                for r, n in enumerate(lengths):
+                    torch.testing.assert_close(logits[r], full[r][n - 1 + j], atol=1e-4, rtol=1e-4)
+                if j < steps:
+                    tokens = torch.stack([s[n + j] for s, n in zip(seqs, lengths)])
+                    logits = decode_step(model, tokens, cache, weights)

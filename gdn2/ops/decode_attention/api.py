@@ -1,5 +1,6 @@
-"""The decode-attention entry point: the contract both implementations check, and backend dispatch
-(``gdn2.ops.backend``). See ``ring.py`` for what the operator does.
+"""The decode-attention entry point: backend dispatch (the contract both implementations check is
+``gdn2.ops.checks.check_decode_inputs``; ``gdn2.ops.backend`` picks the backend). See ``ring.py`` for what the
+operator does.
 
 The Triton module is imported on the first Triton call, so this module (and ``gdn2.ops``) imports
 without Triton.
@@ -12,28 +13,6 @@ from typing import Optional
 import torch
 
 from gdn2.ops.backend import select_backend
-
-
-def check_decode_inputs(qkv, cos, sin, k_cache, v_cache, positions, slot, visible,
-                        n_head) -> tuple[int, int, int, int, int]:
-    """Raise ValueError for inputs outside the contract; else (B, C, Hkv, D, query heads per key/value head)."""
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [B, capacity, Hkv, D], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    B, C, Hkv, D = k_cache.shape
-    if n_head % Hkv:
-        raise ValueError(f"n_head={n_head} is not a multiple of the {Hkv} key/value heads")
-    if qkv.shape != (B, (n_head + 2 * Hkv) * D):
-        raise ValueError(f"qkv must be [B, (n_head + 2*Hkv) * D] = [{B}, {(n_head + 2 * Hkv) * D}], "
-                         f"got {tuple(qkv.shape)}")
-    if cos.shape != (B, D) or sin.shape != (B, D):
-        raise ValueError(f"cos and sin must be [B, D] = [{B}, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if D % 2:
-        raise ValueError(f"rotate-half RoPE needs an even head size, got {D}")
-    if positions.shape != (C,) or slot.numel() != 1 or visible.shape != (B, C):
-        raise ValueError(f"positions [C], slot [1] and visible [B, C] expected for C={C}, got "
-                         f"{tuple(positions.shape)}, {tuple(slot.shape)}, {tuple(visible.shape)}")
-    return B, C, Hkv, D, n_head // Hkv
 
 
 def ring_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

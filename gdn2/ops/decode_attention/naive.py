@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gdn2.ops.decode_attention.api import check_decode_inputs
+from gdn2.ops.checks import check_decode_inputs
 
 
 def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

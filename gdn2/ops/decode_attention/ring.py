@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn2.ops.decode_attention.api import check_decode_inputs
+from gdn2.ops.checks import check_decode_inputs
 
 LOG2E = 1.4426950408889634
 # the running maximum before any visible slot: finite, so that exp2(m_old - m_new) is never nan

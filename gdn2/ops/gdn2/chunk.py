@@ -12,7 +12,7 @@ start from R, one product per chunk, in parallel over windows of 64 chunks) -> `
 backward first runs the forward's kernels again for Aqk, A, R and the window starts (the prep kernel
 then runs once, with U, its other outputs serving the backward too).
 
-The math and kernel layout are documented in ``gdn2_chunk_fwd`` and ``gdn2_chunk_bwd``.
+The math and kernel layout are documented in ``chunk_fwd`` and ``chunk_bwd``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Backward kernels of the chunked (WY) GDN-2 operator.
 
-With dR the total gradient of the chunk's R (see ``gdn2_chunk_fwd``), per chunk:
+With dR the total gradient of the chunk's R (see ``chunk_fwd``), per chunk:
 
     dR = Aqk^T dO + Kt dS_C                     dS0 = Diag(gamma_C) dS_C + scale Qg^T dO - Y^T dR
     dZ = A^T dR  (dv = dZ*w, dw = dZ*v)         dAqk = dO R^T           dT = -tril-1(dZ R^T)
@@ -9,7 +9,7 @@ With dR the total gradient of the chunk's R (see ``gdn2_chunk_fwd``), per chunk:
 ``dT = -A^T dA A^T`` collapses to ``-dZ R^T`` because ``dA = dR (Z - Eb S0)^T`` and ``R = A (Z - Eb S0)``,
 so the gates stay inside the products without any transposed inverse. Kernels:
 
-- ``gdn2_prep_kernel`` and ``gdn2_state_scan_kernel`` (in ``gdn2_chunk_fwd``): Qg, Y, Kt, exp2(G_C) again
+- ``gdn2_prep_kernel`` and ``gdn2_state_scan_kernel`` (in ``chunk_fwd``): Qg, Y, Kt, exp2(G_C) again
   from the A the forward saved (one cumulative sum and one product; the forward's intra kernel is not
   re-run), then the state at every chunk start from the saved R;
 - ``gdn2_bwd_scan_kernel``: the one reverse scan over chunks (dS at every chunk end, dR, d initial state);

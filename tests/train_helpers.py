@@ -16,7 +16,7 @@ import yaml
 
 from gdn2.data.shards import write_shard
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 MICRO_MODEL = dict(block_size=64, vocab_size=256, n_layer=2, n_embd=64, n_head=2, intermediate_size=128,
                    gdn2_per_layer=2, sliding_window=32, gdn2_num_heads=2, gdn2_head_dim=32, gdn2_gate_rank=16)

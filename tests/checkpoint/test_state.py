@@ -1,47 +1,17 @@
-"""Atomic checkpoints with real Fabric on CPU, --resume resolution, pruning, consolidation formats."""
+"""gdn2/checkpoint/state.py: atomic checkpoints with real Fabric on CPU, saved and restored exactly, also from
+the earlier one-file format."""
 
 import json
 
 import pytest
 import torch
-import yaml
 
-from gdn2.config import Config
-from gdn2.model import GPT
 import gdn2.checkpoint.state as checkpoint
-from gdn2.train.fabric_api import Fabric, unwrap
-from gdn2.checkpoint.consolidate import consolidate_checkpoint
+from checkpoint_helpers import Boom, make_fabric_model, save, train_a_step
 from gdn2.checkpoint.format import MARKER, list_checkpoints
-from gdn2.checkpoint.resume import prune_checkpoints, resolve_resume
-from gdn2.checkpoint.state import load_checkpoint, save_checkpoint
-from train_helpers import MICRO_MODEL
-
-
-class Boom(RuntimeError):
-    pass
-
-
-def make_fabric_model():
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
-    torch.manual_seed(0)
-    model = GPT(Config(**MICRO_MODEL))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = fabric.setup(model, optimizer)
-    return fabric, model, optimizer
-
-
-def train_a_step(model, optimizer):
-    idx = torch.randint(0, 256, (2, 16))
-    model(idx).float().logsumexp(-1).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def save(fabric, model, optimizer, root, step, **kw):
-    state = {"model": unwrap(model), "optimizer": unwrap(optimizer), "trainer": {"step": step}}
-    return save_checkpoint(fabric, root, step, state,
-                           rank_state={"data": {"n": step}}, config_yaml=kw.pop("config_yaml", "model: {}\n"),
-                           info={"tokens": step * 10}, keep_last=kw.pop("keep_last", 3), **kw)
+from gdn2.checkpoint.resume import resolve_resume
+from gdn2.checkpoint.state import load_checkpoint
+from gdn2.train.fabric_api import unwrap
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
@@ -91,48 +61,6 @@ def test_crash_inside_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     save(fabric, model, optimizer, root, 10)
     assert resolve_resume("auto", root).name == "step-000000010"
     assert not (root / ".step-000000010.tmp").exists()
-
-
-def test_incomplete_checkpoint_is_refused(tmp_path):
-    fabric, model, optimizer = make_fabric_model()
-    root = tmp_path / "ckpt"
-    path = save(fabric, model, optimizer, root, 3)
-    (path / MARKER).unlink()
-    assert resolve_resume("auto", root) is None
-    with pytest.raises(ValueError, match="incomplete checkpoint"):
-        resolve_resume(str(path), root)
-
-
-def test_keep_last(tmp_path):
-    fabric, model, optimizer = make_fabric_model()
-    root = tmp_path / "ckpt"
-    for step in range(1, 6):
-        save(fabric, model, optimizer, root, step, keep_last=2)
-    assert [s for s, _ in list_checkpoints(root)] == [4, 5]
-    assert prune_checkpoints(root, 1) == [root / "step-000000004"]
-
-
-def test_consolidate_full_and_sharded_formats(tmp_path):
-    """Both state formats (a torch.distributed.checkpoint folder, one file of full tensors) consolidate
-    to the model's weights; a marker without checksums (as written before they were recorded) is accepted."""
-    fabric, model, optimizer = make_fabric_model()
-    train_a_step(model, optimizer)
-    config_yaml = yaml.safe_dump({"model": Config(**MICRO_MODEL).to_dict()})
-    sharded = save(fabric, model, optimizer, tmp_path / "sharded", 7, config_yaml=config_yaml)
-    assert (sharded / "state").is_dir()
-    path = save(fabric, model, optimizer, tmp_path / "full", 7, config_yaml=config_yaml, sharded=False)
-    assert (path / "state").is_file()
-    marker = json.loads((path / MARKER).read_text())
-    del marker["files"]
-    (path / MARKER).write_text(json.dumps(marker))
-    full, from_dcp = consolidate_checkpoint(path), consolidate_checkpoint(sharded)
-    assert full["step"] == 7 and full["tokens"] == 70 and full["config"]["n_layer"] == 2
-
-    for d in (full, from_dcp):
-        restored = GPT(Config.from_dict(d["config"]))
-        restored.load_state_dict(d["model"])
-        idx = torch.randint(0, 256, (1, 20))
-        torch.testing.assert_close(restored(idx), model(idx), rtol=0, atol=0)
 
 
 def test_a_one_file_checkpoint_of_the_earlier_format_still_resumes_on_one_device(tmp_path):

@@ -1,4 +1,4 @@
-"""The lm-eval adapter against direct computations from the model's logits, and end-to-end runs."""
+"""The lm-eval adapter (gdn2/eval/lm.py) against direct computations from the model's logits; checkpoints it loads."""
 
 import json
 import shutil
@@ -9,15 +9,11 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gdn2.checkpoint.load import load_model
 import gdn2.eval.lm  # noqa: F401  registers "gdn2"
-from gdn2.eval.harness import evaluate_model
 from gdn2.eval.lm import GDN2LM
-from gdn2.eval.results import summarize
-from gdn2.model import GPT
 from decode_helpers import greedy_by_full_forward
 
-from .conftest import MAX_LENGTH, TASK_DATA
+from tiny_checkpoint import MAX_LENGTH, TASK_DATA
 
 
 def _requests(kind, args_list):
@@ -114,106 +110,6 @@ def test_generate_until_is_greedy_and_batching_changes_nothing(lm, artifacts):
         assert text == expected[: expected.find("\n\n")] if "\n\n" in expected else text == expected
     single = GDN2LM(checkpoint=str(folder / "model.pt"), dtype="float64", device="cpu", batch_size=1)
     assert single.generate_until(_requests("generate_until", [(c, gen_kwargs) for c in contexts])) == batched
-
-
-def test_simple_evaluate_runs_local_tasks_offline(artifacts):
-    import lm_eval
-
-    from gdn2.eval.harness import make_task_manager
-
-    folder, _, _ = artifacts
-    tasks = ["gdn2_local"]
-    results = lm_eval.simple_evaluate(model="gdn2", model_args=f"checkpoint={folder / 'model.pt'},dtype=float32",
-                                      tasks=tasks, limit=4, batch_size=4, device="cpu", bootstrap_iters=0,
-                                      task_manager=make_task_manager(tasks))
-    summary = summarize(results)
-    for key in ("gdn2_local_mc/acc", "gdn2_local_mc/acc_norm", "gdn2_local_lambada/acc",
-                "gdn2_local_lambada/perplexity", "gdn2_local_ppl/word_perplexity", "gdn2_local_ppl/bits_per_byte",
-                "gdn2_local_gen/exact_match,strip"):
-        assert key in summary and summary[key] == summary[key], key  # present and not NaN
-    assert 1.0 < summary["gdn2_local_ppl/word_perplexity"]
-    assert results["n-samples"]["gdn2_local_mc"]["effective"] == 4
-
-
-@pytest.mark.slow
-def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
-    from gdn2.eval import run
-
-    folder, _, _ = artifacts
-    for step in (7, 9):
-        (tmp_path / f"step{step}").mkdir()
-        shutil.copy(folder / "tokenizer.model", tmp_path / f"step{step}")
-        torch.save(dict(torch.load(folder / "model.pt", weights_only=False), step=step),
-                   tmp_path / f"step{step}" / "model.pt")
-    out = tmp_path / "out"
-    common = ["--limit", "3", "--batch_size", "4", "--device", "cpu", "--output", str(out)]
-    for step, tasks in ((7, "gdn2_local_mc"), (7, "gdn2_local_ppl"), (9, "gdn2_local_mc")):
-        assert run.main(["--checkpoint", str(tmp_path / f"step{step}" / "model.pt"), "--tasks", tasks, *common]) == 0
-    seven = json.loads((out / "results-step-000000007.json").read_text())
-    assert seven["step"] == 7 and seven["tasks"] == ["gdn2_local_mc", "gdn2_local_ppl"]  # the second run added
-    assert set(seven["summary"]) >= {"gdn2_local_mc/acc", "gdn2_local_ppl/word_perplexity"}
-    assert seven["config"]["vocab_size"] == 512 and seven["limit"] == 3
-    table = (out / "results-step-000000007.md").read_text()
-    assert "step 7" in table.splitlines()[0]
-    assert "| gdn2_local_mc | acc |" in table and "| gdn2_local_ppl | word_perplexity |" in table
-    nine = json.loads((out / "results-step-000000009.json").read_text())
-    assert nine["step"] == 9 and set(nine["summary"]) == {k for k in seven["summary"] if k.startswith("gdn2_local_mc/")}
-    with pytest.raises(ValueError, match="--tasks: unknown task.*no_such_task"):
-        run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "no_such_task", *common])
-
-
-def test_importing_the_adapter_patches_nothing_and_the_task_manager_knows_local_tasks():
-    """Importing gdn2's lm-eval modules leaves lm-eval as it was (a plain TaskManager does not know the
-    local tasks); the task manager made with gdn2's folder on its include path does."""
-    from lm_eval.tasks import TaskManager
-
-    import gdn2.eval.harness  # noqa: F401
-    from gdn2.eval.harness import LOCAL_TASKS, make_task_manager
-
-    assert not {"gdn2_local", "gdn2_local_mc"} & set(TaskManager(include_defaults=False).all_tasks)
-    assert {"gdn2_local", "gdn2_local_mc"} <= set(make_task_manager(["gdn2_local"]).all_tasks)
-    assert (LOCAL_TASKS / "gdn2_local" / "gdn2_local.yaml").is_file()
-
-
-def test_summary_average_follows_reference():
-    metrics = {"lambada_openai": {"acc,none": 0.5, "perplexity,none": 10.0},
-               "piqa": {"acc,none": 0.7, "acc_norm,none": 0.1}, "hellaswag": {"acc,none": 0.1, "acc_norm,none": 0.4},
-               "winogrande": {"acc,none": 0.55}, "arc_easy": {"acc,none": 0.6, "acc_norm,none": 0.1},
-               "arc_challenge": {"acc,none": 0.1, "acc_norm,none": 0.3},
-               "openbookqa": {"acc,none": 0.1, "acc_norm,none": 0.35}, "social_iqa": {"acc,none": 0.4},
-               "boolq": {"acc,none": 0.6, "acc_stderr,none": 0.01}}
-    summary = summarize({"results": metrics})
-    assert summary["avg"] == pytest.approx((0.5 + 0.7 + 0.4 + 0.55 + 0.6 + 0.3 + 0.35 + 0.4 + 0.6) / 9)
-    assert "boolq/acc_stderr" not in summary
-    del metrics["boolq"]
-    assert "avg" not in summarize({"results": metrics})
-
-
-def test_evaluate_model_in_process(artifacts, caplog):
-    folder, tok, cfg = artifacts
-    model = load_model(folder / "model.pt", device="cpu", dtype="float32").model.train()
-    with caplog.at_level("WARNING"):
-        scores = evaluate_model(model, tok, ["gdn2_local_lambada"], limit=3, batch_size=2)
-    assert set(scores) == {"gdn2_local_lambada/acc", "gdn2_local_lambada/perplexity"}
-    assert model.training  # given back in the mode it came in
-    assert "Custom kwargs" not in caplog.text  # lm-eval's advice about task kwargs our tasks do not take
-
-
-def test_checkpoint_folder_with_run_config_and_bare_state_dict(artifacts, tmp_path):
-    folder, _, cfg = artifacts
-    run = tmp_path / "run"
-    (run / "step-00100").mkdir(parents=True)
-    state = torch.load(folder / "model.pt", weights_only=True)["model"]
-    torch.save({f"_orig_mod.{k}": v for k, v in state.items()}, run / "step-00100" / "model.pt")
-    import yaml
-
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict(), "train": {"lr": 4e-4}}))
-    shutil.copy(folder / "tokenizer.model", run / "tokenizer.model")
-    loaded = load_model(run / "step-00100", device="cpu")
-    assert loaded.config == cfg and loaded.checkpoint == run / "step-00100" / "model.pt"
-    ref = GPT(cfg)
-    ref.load_state_dict(state)
-    assert torch.equal(loaded.model.lm_head.weight, ref.lm_head.weight)
 
 
 def test_missing_pieces_are_named(artifacts, tmp_path):
