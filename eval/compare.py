@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from gdn2.commandline import option, parse_options
+from gdn2.eval.paper_tables import paper_tables
 
 
 class CompareError(ValueError):
@@ -266,6 +267,9 @@ def markdown(runs: Sequence[Run], title: str) -> str:
         lines += ["", "## lm-eval", "", "| run | " + " | ".join(metrics) + " |", "|" + "---|" * (1 + len(metrics))]
         for run in runs:
             lines.append(f"| {run.name} | " + " | ".join(_num(run.lm_eval.get(m), 4) for m in metrics) + " |")
+    extra = paper_tables({run.name: run.lm_eval for run in runs})
+    if extra:
+        lines += ["", extra.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

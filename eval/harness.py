@@ -88,7 +88,7 @@ def evaluate_model(model: GPT, tokenizer: Union[Tokenizer, str, os.PathLike], ta
     if not tasks:
         raise ValueError("tasks: give at least one task name")
     lm = GDN2LM(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    manager = make_task_manager(tasks, include_path)
+    manager = make_task_manager(tasks, include_path, metadata={"tokenizer": str(lm.tokenizer.path)})
     was_training = model.training
     model.eval()
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from gdn2.commandline import option, parse_options
+from gdn2.eval.paper_tables import niah_metadata, niah_window, paper_tables
 from gdn2.eval.results import REFERENCE_AVERAGE, summarize
 
 # Columns of the paper's table: (header, task/metric key, scale).
@@ -146,6 +147,12 @@ class EvalOptions:
     bootstrap_iters: int = option(1000, "bootstrap samples for the standard errors that need them (0 = skip)")
     output: Optional[str] = option(None, "output folder", meaning_of_null="<run>/eval for a run's checkpoint")
     log_samples: bool = option(False, "also write per-example outputs")
+    max_seq_lengths: Optional[str] = option(None, "gdn2_niah lengths, e.g. 1024,2048,4096,8192",
+                                            meaning_of_null="1024,2048,4096,8192")
+    metadata: Optional[str] = option(None, "JSON object of task settings, e.g. gdn2_niah's "
+                                           '\'{"num_samples": 100, "seed": 1, "haystack": "held_out/*.jsonl.zst"}\'')
+    context_prefix: str = option("eos", "token before every context (none: as lm-eval's hf model on an exported "
+                                        "folder)", choices=("eos", "bos", "none"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -167,9 +174,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise FileNotFoundError(f"--checkpoint {checkpoint} does not exist")
 
     start = time.time()
+    metadata = niah_metadata(args.max_seq_lengths, args.metadata)
     lm = GDN2LM(checkpoint=str(checkpoint), config=args.config, tokenizer=args.tokenizer,
-                batch_size=args.batch_size, device=args.device, dtype=args.dtype, max_length=args.max_length)
-    manager = make_task_manager(tasks, args.include_path)
+                batch_size=args.batch_size, device=args.device, dtype=args.dtype, max_length=args.max_length,
+                context_prefix=args.context_prefix)
+    window = niah_window(tasks, metadata)
+    if args.max_length is None and window and window > lm.max_length:
+        lm._max_length = window  # NIAH prompts are never cut (the other tasks then see this window too)
+    metadata = {"tokenizer": str(lm.tokenizer.path), **metadata}  # the NIAH prompts are sized with it
+    manager = make_task_manager(tasks, args.include_path, metadata=metadata)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)} (neither lm-eval's nor gdn2's local tasks"
@@ -192,6 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "tasks": tasks,
         "limit": args.limit,
         "max_length": lm.max_length,
+        "metadata": metadata,
         "dtype": str(next(lm.model.parameters()).dtype).replace("torch.", ""),
         "seconds": round(time.time() - start, 1),
         "summary": summarize(results),
@@ -207,6 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step = f"step {lm.checkpoint_step}" if lm.checkpoint_step is not None else "step unknown"
     title = f"{scored} ({lm.config.name}, {step})" + (f", limit {args.limit}" if args.limit else "")
     table = markdown_table(record["summary"], title)
+    extra = paper_tables({f"{lm.config.name} ({step})": record["summary"]})
+    table += "\n" + extra if extra else ""
     (output / f"{name}.md").write_text(table)
     print(table)
     print(f"wrote {output / name}.json and .md")

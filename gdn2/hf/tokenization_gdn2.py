@@ -46,7 +46,17 @@ class GDN2Tokenizer(PreTrainedTokenizer):
         return self.sp.id_to_piece(index)
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return self.sp.decode_pieces(tokens)
+        # special tokens keep their text (SentencePiece decodes them to ""): lm-eval's hf model stops
+        # generating at the decoded EOS, and an empty stop string would stop it after one token
+        special = set(self.all_special_tokens)
+        pieces, run = [], []
+        for token in tokens:
+            if token in special:
+                pieces += [self.sp.decode_pieces(run), token]
+                run = []
+            else:
+                run.append(token)
+        return "".join(pieces) + self.sp.decode_pieces(run)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: Optional[str] = None) -> tuple[str]:
         name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILES_NAMES["vocab_file"]
