@@ -53,7 +53,7 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
     world_size = devices * topo.num_nodes
-    timeout = timedelta(minutes=d.timeout_minutes)
+    timeout = timedelta(seconds=d.collective_timeout)
     sharding = d.sharding if d.sharding != "auto" else ("hybrid" if topo.num_nodes > 1 else "full")
     replicas = d.replicas or topo.num_nodes
     if sharding == "hybrid" and world_size % replicas:
