@@ -28,10 +28,10 @@ naming itself, waits until the others have taken note (so they stay quiet instea
 dead peer), and lets the error propagate as usual (one line, or a traceback for a bug).
 
 Bound. With ``T`` the collective timeout and ``h = min(2, max(0.5, T / 20))`` seconds the heartbeat,
-every surviving rank exits within ``T + 6 h + 4`` seconds of the moment the failed rank stopped taking part
-in collectives (at most ``T + 16 s``; a rank that dies closes its connections, which the others see at
-their next collective, so they are gone within about ``6 h + 4`` seconds plus the work up to that
-collective). :func:`timings` holds the numbers. ``T`` must be at least 10 s.
+every surviving rank exits within ``T + 6 h + 4`` seconds of starting to wait for the failed rank in a
+collective (at most ``T + 16 s``; a rank that dies closes its connections, which the others see at once,
+so they are gone within about ``6 h + 4`` seconds). :func:`timings` holds the numbers (``Timings.bound``
+is the part past ``T``). ``T`` must be at least 10 s.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -128,7 +128,9 @@ def _signal_name(code: int) -> str:
 class _Quiet:
     """Keeps file descriptor 2 pointed at /dev/null for the duration of a store call: a call that fails
     because the store's host is gone makes torch print a C++ stack trace there, which would bury the one
-    line this module exists to print. Python's own writes to stderr wait for the lock."""
+    line this module exists to print. The line itself waits for the lock; whatever else the process
+    writes to stderr during a call (a millisecond or so, every heartbeat) is lost. Used on the ranks
+    whose process does not serve the store."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -156,10 +158,13 @@ class PeerWatch:
     which the caller re-raises); ``close`` when training ended normally."""
 
     def __init__(self, rank: int, world_size: int, peers: list[Peer], store: Any, namespace: str, t: Timings,
-                 checkpoint_dir: Path, store_host: Optional[str], serves_store: bool, children: dict[int, Any]) -> None:
+                 checkpoint_dir: Path, store_host: Optional[str], serves_store: bool,
+                 children: dict[int, Any]) -> None:
         self.rank, self.world_size, self.peers, self.store, self.t = rank, world_size, peers, store, t
         self.namespace, self.checkpoint_dir, self.store_host = namespace, Path(checkpoint_dir), store_host
         self.children = children  # global rank -> subprocess.Popen, the ranks this process started
+        # the store runs in this process: a slow answer is load, never a dead host
+        self.serves_store = serves_store
         self._quiet = None if serves_store else _Quiet()
         self._calls: queue.Queue = queue.Queue()
         self._store_dead = False
@@ -236,7 +241,7 @@ class PeerWatch:
         try:
             return self._quiet(run) if self._quiet is not None else run()
         except StoreLost:
-            self._store_dead = True
+            self._store_dead = not self.serves_store
             raise
 
     def _read_fault(self) -> Optional[Fault]:
@@ -275,6 +280,8 @@ class PeerWatch:
                     if dead:
                         fault = self._publish(Fault(dead, "peer", self._child_cause(dead), self.rank))
             except StoreLost:
+                if self.serves_store:
+                    continue  # an answer that came late from our own store: beat again next time
                 fault = self._store_fault()
             if self._stop.is_set():
                 return
@@ -301,14 +308,14 @@ class PeerWatch:
     def on_error(self, error: BaseException) -> None:
         """Called with the error that ended training on this rank. Returns (for the caller to re-raise)
         when the error is this rank's own; ends the process when a peer failed."""
-        if not self.active:
-            return
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             self._halt()
             return
         if not self._claim():
-            while True:  # the watch thread is ending this process
+            while True:  # the watch thread is ending this process (it claimed the fault first)
                 time.sleep(1)
+        if not self.active:  # the watch had stopped already
+            return
         try:
             fault = self._read_fault()
             if fault is None and _may_be_a_peer(error):
@@ -326,9 +333,12 @@ class PeerWatch:
                     # our own error: the others take note and stop quietly; then it is ours to print
                     self._wait(lambda: self._count("acks") >= self.world_size - 1, self.t.acks)
                     self._halt()
-                    self._call(lambda: self.store.set(self._key("reported"), "1"))
+                    self._mark_reported()
                     return
         except StoreLost:
+            if self.serves_store:  # our own store did not answer in time: nothing to tell the error from
+                self._halt()
+                return
             if self._stopped_by_freeze():
                 self._exit()
             fault = self._store_fault()
@@ -405,16 +415,19 @@ class PeerWatch:
                 self._wait(lambda: self._count("acks") >= len(survivors), self.t.acks)
             self._print(self._line(fault, survivors))
             if store_ok:
-                try:
-                    self._call(lambda: self.store.set(self._key("reported"), "1"))
-                except StoreLost:
-                    pass
+                self._mark_reported()
             self._end_children(fault)
         elif store_ok:
             self._wait(lambda: self._call(lambda: self.store.check([self._key("reported")])), self.t.reported)
         else:
             time.sleep(min(2.0, self.t.acks))  # no store: give the reporter time to print first
         self._exit()
+
+    def _mark_reported(self) -> None:
+        try:
+            self._call(lambda: self.store.set(self._key("reported"), "1"))
+        except StoreLost:
+            pass
 
     def _line(self, fault: Fault, survivors: list[int]) -> str:
         who = ", ".join(f"rank {r} (pid {self.peers[r].pid} on {self.peers[r].host})" for r in fault.failed)
@@ -456,6 +469,25 @@ class PeerWatch:
         os._exit(EXIT_PEER_FAILURE)
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """Give every process group of this process the run's collective timeout. The groups made after the
+    rendezvous (a device mesh's, for hybrid sharding) otherwise keep torch's default (30 minutes; 10 for
+    NCCL) whatever the run asked for, and the rendezvous itself is given longer (``build_fabric``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=seconds)
+    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", None) or {}):
+        try:
+            c10d._set_pg_timeout(timeout, group)
+        except (ValueError, AssertionError):  # not a member, or a backend without a settable timeout
+            pass
+
+
 def list_checkpoints_quietly(root: Path) -> Optional[Path]:
     """The newest complete checkpoint under ``root`` (the one ``--resume auto`` takes when it is
     intact), or None."""
@@ -469,11 +501,13 @@ def list_checkpoints_quietly(root: Path) -> Optional[Path]:
 
 
 def _may_be_a_peer(error: BaseException) -> bool:
-    """Errors that a failed peer causes: gloo's and torch.distributed's RuntimeErrors, broken
-    connections, timeouts. gdn2's own RuntimeErrors (such as too many non-finite steps) are not."""
+    """Errors that a failed peer may cause: gloo's RuntimeErrors, torch's own errors (torch.distributed's,
+    and the checkpoint writer's, which derives from BaseException), broken connections, timeouts. gdn2's
+    own errors (a bad value, too many non-finite steps) and the operating system's (a full disk) are not."""
     if isinstance(error, (ConnectionError, TimeoutError)):
         return True
-    return isinstance(error, RuntimeError) and type(error).__module__.split(".")[0] in ("builtins", "torch")
+    module = type(error).__module__
+    return module.split(".")[0] == "torch" or (module == "builtins" and isinstance(error, RuntimeError))
 
 
 def _connect(t: Timings) -> Any:

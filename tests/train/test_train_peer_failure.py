@@ -2,7 +2,9 @@
 ``python -m gdn2 pretrain --distributed.devices 2`` does): the surviving rank leaves within the collective
 timeout plus the stated bound (``gdn2.train.peers.timings``), and the run's stderr holds exactly one error
 line, naming the failed rank (its pid and host) and the checkpoint ``--resume auto`` will take, and no
-traceback. A rank's own error is the run's only line too, and the other rank leaves quietly."""
+traceback. Four ranks with FSDP2 hybrid sharding find a stopped rank at the run's timeout too. A killed
+rank 0 is reported by rank 1. A rank's own error is the run's only line, and the other rank leaves
+quietly."""
 
 import os
 import re
@@ -51,26 +53,27 @@ def _steps(run) -> int:
         return 0
 
 
-class TwoRanks:
-    """``pretrain/main.py`` on two CPU ranks; stdout and stderr in files."""
+class Ranks:
+    """``pretrain/main.py`` on ``n`` CPU ranks; stdout and stderr in files."""
 
-    def __init__(self, cfg, tmp_path, *extra: str) -> None:
+    def __init__(self, cfg, tmp_path, n: int = 2, *extra: str) -> None:
         self.run = tmp_path / "run"
         self.out, self.err = tmp_path / "stdout", tmp_path / "stderr"
+        self._files = [open(self.out, "w"), open(self.err, "w")]
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", str(cfg), "--out_dir", str(self.run),
-             "--distributed.devices", "2", "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1",
+             "--distributed.devices", str(n), "--distributed.accelerator", "cpu", "--train.micro_batch_size", "1",
              "--distributed.timeout_seconds", str(TIMEOUT), *extra],
-            cwd=ROOT, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            cwd=ROOT, stdout=self._files[0], stderr=self._files[1], env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
-    def wait_training(self, steps: int, timeout: float = 240) -> int:
-        """Rank 1's pid, once the run has trained ``steps`` steps and saved a checkpoint."""
+    def wait_training(self, steps: int, timeout: float = 240) -> list[int]:
+        """The pids of ranks 1, 2, ... (Fabric starts them in order), once the run has trained ``steps``
+        steps and saved a checkpoint."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.err.read_text()[-3000:]
             if _steps(self.run) >= steps and list_checkpoints(self.run / "checkpoints"):
-                (child,) = _children(self.proc.pid)
-                return child
+                return sorted(_children(self.proc.pid))
             time.sleep(0.2)
         raise AssertionError(f"no training within {timeout} s:\n{self.err.read_text()[-3000:]}")
 
@@ -81,13 +84,16 @@ class TwoRanks:
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        for f in self._files:
+            f.close()
 
 
 def _wait_gone(pids, timeout: float) -> float:
     """Seconds until every one of ``pids`` has exited (AssertionError after ``timeout``)."""
     start = time.monotonic()
     while not all(_gone(p) for p in pids):
-        assert time.monotonic() - start < timeout, f"still running after {timeout} s: {[p for p in pids if not _gone(p)]}"
+        left = [p for p in pids if not _gone(p)]
+        assert time.monotonic() - start < timeout, f"still running after {timeout} s: {left}"
         time.sleep(0.05)
     return time.monotonic() - start
 
@@ -111,9 +117,9 @@ BOUND = timings(TIMEOUT).bound
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_rank_that_dies_or_hangs_ends_the_run_with_one_line(cfg, tmp_path, how):
-    run = TwoRanks(cfg, tmp_path)
+    run = Ranks(cfg, tmp_path)
     try:
-        rank1 = run.wait_training(steps=4)
+        (rank1,) = run.wait_training(steps=4)
         os.kill(rank1, getattr(signal, how))
         took = _wait_gone([run.proc.pid], TIMEOUT + BOUND + LOAD_SLACK)
         # the dead rank's connections close at once; the stopped one is found when the collective times out
@@ -136,11 +142,31 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_with_one_line(cfg, tmp_path, how
 
 
 @pytest.mark.slow
+def test_a_stopped_rank_under_hybrid_sharding_is_found_at_the_runs_timeout(cfg, tmp_path):
+    """Four ranks, FSDP2 sharded in two groups of two and replicated across them (as across two nodes):
+    the device mesh's own process groups wait the run's timeout too (torch would give them 30 minutes)."""
+    run = Ranks(cfg, tmp_path, 4, "--distributed.strategy", "fsdp2", "--distributed.sharding", "hybrid",
+                "--distributed.replicas", "2")
+    try:
+        ranks = run.wait_training(steps=4)
+        assert len(ranks) == 3
+        os.kill(ranks[-1], signal.SIGSTOP)  # rank 3
+        took = _wait_gone([run.proc.pid, *ranks], TIMEOUT + BOUND + LOAD_SLACK)
+        assert took > TIMEOUT - 1
+    finally:
+        run.stop()
+    assert run.proc.returncode == EXIT_PEER_FAILURE
+    line = _the_one_line(run.err.read_text())
+    assert line.startswith(f"gdn2 pretrain: error: rank 3 (pid {ranks[-1]} on {socket.gethostname()}) stopped "
+                           "answering (no heartbeat") and "; the 3 other ranks stopped." in line
+
+
+@pytest.mark.slow
 def test_rank_0_killed_rank_1_reports_it(cfg, tmp_path):
     """Rank 0's process serves the job's key-value store: rank 1 finds it gone, says so, and leaves."""
-    run = TwoRanks(cfg, tmp_path)
+    run = Ranks(cfg, tmp_path)
     try:
-        rank1 = run.wait_training(steps=4)
+        (rank1,) = run.wait_training(steps=4)
         rank0 = run.proc.pid
         os.kill(rank0, signal.SIGKILL)
         run.proc.wait()
@@ -160,7 +186,7 @@ def test_an_error_on_rank_0_alone_is_the_only_line(corpus, tmp_path):
     barrier: rank 0's one line is all the run prints; rank 1 takes note and leaves without a traceback."""
     cfg = micro_config(corpus, tmp_path, data=dict(train=[str(tmp_path / "dta")], val=str(tmp_path / "dta"),
                                                    prepare_default=True))
-    run = TwoRanks(cfg, tmp_path)
+    run = Ranks(cfg, tmp_path)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 240
