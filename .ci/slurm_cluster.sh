@@ -121,6 +121,7 @@ for _ in $(seq 60); do
     fi
     sleep 1
 done
-echo "slurm_cluster.sh: the two nodes did not come up idle" >&2
+echo "slurm_cluster.sh: the two nodes did not come up idle; stopping the daemons" >&2
 sinfo -N >&2 || true
+stop_daemons
 exit 1
