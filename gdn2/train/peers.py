@@ -21,7 +21,8 @@ also ends a rank whose main thread is stuck in a collective that will never comp
 and stops. The lowest-numbered surviving rank waits for the acknowledgements, prints the line, marks the
 fault as reported and exits; the others wait for that mark and exit without a word. Exit status
 :data:`EXIT_PEER_FAILURE` everywhere. A rank that was itself frozen (its watch thread saw time jump by
-more than half the collective timeout), or that finds itself named as failed, exits quietly.
+at least half the collective timeout: ``Timings.stalled``), or that finds itself named as failed, exits
+quietly.
 
 A rank's own error (a bad value, a missing file, a bug) is not a peer failure: that rank publishes a fault
 naming itself, waits until the others have taken note (so they stay quiet instead of reporting it as a
@@ -36,6 +37,7 @@ is the part past ``T``). ``T`` must be at least 10 s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -82,8 +84,8 @@ def timings(timeout_seconds: float) -> Timings:
     store = min(60.0, max(5.0, timeout_seconds / 4))
     acks = 3 * interval + 2.0
     # a frozen rank is frozen for at least T (the others wait that long before they act); a living one's
-    # heartbeat may lag by a slow store call and a heartbeat or two
-    stalled = max(probe, timeout_seconds / 2, store + 2 * interval)
+    # last heartbeat may be a probe, a slow store call and a heartbeat or two old
+    stalled = max(timeout_seconds / 2, probe + store + 2 * interval)
     return Timings(timeout=timeout_seconds, interval=interval, probe=probe, store=store, acks=acks,
                    reported=2 * (interval + acks) + 5.0, stalled=stalled)
 
@@ -438,8 +440,7 @@ class PeerWatch:
         return f"gdn2 pretrain: error: {who} {fault.cause}; the {others} stopped. {resume}"
 
     def _print(self, line: str) -> None:
-        lock = self._quiet.lock if self._quiet is not None else threading.RLock()
-        with lock:
+        with self._quiet.lock if self._quiet is not None else contextlib.nullcontext():
             try:
                 sys.stdout.flush()
             except Exception:  # noqa: BLE001
