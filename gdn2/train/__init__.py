@@ -11,5 +11,6 @@
 - ``optimizer``: AdamW parameter groups (no decay on A_log, dt_bias, norms, biases)
 - ``schedule``: ``cosine_with_warmup``, and when a periodic task is due
 - ``slurm``: topology from SLURM / torchrun, stop signals, requeue, wall-clock budgets
+- ``peers``: a rank that dies or hangs ends every rank, with one line naming it
 - ``profile``: torch.profiler traces of chosen steps
 """

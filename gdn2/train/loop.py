@@ -26,6 +26,7 @@ from gdn2.train.checkpointer import Checkpointer
 from gdn2.train.fabric_api import unwrap
 from gdn2.train.loss import forward_loss, to_device
 from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
+from gdn2.train.peers import PeerWatch
 from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
@@ -155,11 +156,20 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
     if refusal is not None:
         raise ValueError(refusal)
+    # a rank that dies or hangs ends every rank, with one line from one of them (gdn2.train.peers)
+    peers = PeerWatch.start(fabric, recipe.checkpoint_dir, recipe.distributed.collective_timeout)
     # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly: one that comes while the model is built
     # is answered at the first step (a save, and a requeue under SLURM)
     signals = StopSignals().install()
     try:
-        return _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir, signals)
+        result = _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir, signals)
+        if peers is not None:
+            peers.close()
+        return result
+    except BaseException as error:
+        if peers is not None:
+            peers.on_error(error)  # returns for this rank's own error only
+        raise
     finally:
         signals.restore()
         lock.release()

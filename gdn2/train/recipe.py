@@ -146,6 +146,14 @@ class DistributedConfig:
                                          "replicated across them; null: one group per node")
     requeue: bool = option(True, "under SLURM, after saving on SIGUSR1/SIGTERM, requeue the job (scontrol)")
     timeout_minutes: int = option(30, "collective-communication timeout")
+    timeout_seconds: Optional[int] = option(None, "collective-communication timeout in seconds (at least 10); "
+                                                "overrides timeout_minutes. A peer that hangs is found after "
+                                                "this long")
+
+    @property
+    def collective_timeout(self) -> float:
+        """The collective timeout in seconds: ``timeout_seconds``, else ``timeout_minutes``."""
+        return float(self.timeout_seconds if self.timeout_seconds is not None else 60 * self.timeout_minutes)
 
 
 SECTIONS: dict[str, type] = {
@@ -322,6 +330,8 @@ def _validate(recipe: Recipe) -> None:
     if d.num_nodes is not None:
         need(d.num_nodes >= 1, "distributed.num_nodes", f"must be >= 1, got {d.num_nodes}")
     need(d.timeout_minutes >= 1, "distributed.timeout_minutes", f"must be >= 1, got {d.timeout_minutes}")
+    if d.timeout_seconds is not None:
+        need(d.timeout_seconds >= 10, "distributed.timeout_seconds", f"must be >= 10, got {d.timeout_seconds}")
     if d.replicas is not None:
         need(d.replicas >= 1, "distributed.replicas", f"must be >= 1, got {d.replicas}")
     for (section, key), choices in _CHOICES.items():
@@ -440,6 +450,7 @@ _NULL_MEANS = {
     ("logging", "peak_flops"): lambda r: "from the device name",
     ("distributed", "devices"): lambda r: "from SLURM / torchrun, else every GPU (1 on CPU)",
     ("distributed", "num_nodes"): lambda r: "from SLURM / torchrun, else 1",
+    ("distributed", "timeout_seconds"): lambda r: "distributed.timeout_minutes",
 }
 
 

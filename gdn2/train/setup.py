@@ -20,6 +20,7 @@ from gdn2.float8 import check_device, float8_spec
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.options import ModelOptions, apply_options
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names
+from gdn2.train.peers import set_collective_timeout
 from gdn2.train.recipe import Recipe
 from gdn2.train.slurm import Topology, resolve_topology
 
@@ -33,6 +34,9 @@ def resolve_accelerator(name: str) -> str:
             raise ValueError(f"distributed.accelerator: {name!r} requested but no CUDA device is available")
         return "cuda"
     return "cpu"
+
+
+RENDEZVOUS_SECONDS = 600.0
 
 
 def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
@@ -52,7 +56,9 @@ def build_fabric(recipe: Recipe, topology: Optional[Topology] = None):
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
     world_size = devices * topo.num_nodes
-    timeout = timedelta(minutes=d.timeout_minutes)
+    # the rendezvous and the collectives before the model is set up wait for slow starters at least
+    # RENDEZVOUS_SECONDS; the run's own collective timeout applies from the model's setup on
+    timeout = timedelta(seconds=max(d.collective_timeout, RENDEZVOUS_SECONDS))
     sharding = d.sharding if d.sharding != "auto" else ("hybrid" if topo.num_nodes > 1 else "full")
     replicas = d.replicas or topo.num_nodes
     if sharding == "hybrid" and world_size % replicas:
@@ -152,6 +158,7 @@ def build_model_and_optimizer(fabric, recipe: Recipe):
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     model = fabric.setup_module(model)
+    set_collective_timeout(recipe.distributed.collective_timeout)  # every group, the device mesh's too
     optimizer = fabric.setup_optimizers(build_optimizer(model, no_decay, recipe.optimizer, fabric.device.type))
     return model, optimizer, num_params
 

@@ -35,6 +35,13 @@ def test_overrides_are_typed():
     assert [s.path for s in r.train_sources()] == ["some/dir"]
 
 
+def test_collective_timeout_in_seconds_overrides_the_minutes():
+    assert load_recipe("swa_gdn2_tiny").distributed.collective_timeout == 30 * 60
+    assert load_recipe("swa_gdn2_tiny", {"distributed.timeout_minutes": "2"}).distributed.collective_timeout == 120
+    assert load_recipe("swa_gdn2_tiny", {"distributed.timeout_minutes": "2", "distributed.timeout_seconds": "15"}
+                       ).distributed.collective_timeout == 15
+
+
 @pytest.mark.parametrize("overrides, key", [
     ({"train.lr": "1"}, "--train.lr"),
     ({"trian.max_steps": "1"}, "--trian.max_steps"),
@@ -49,6 +56,8 @@ def test_overrides_are_typed():
     ({"train.max_wall_time": "soon"}, "train.max_wall_time"),
     ({"data.train": "[{path: a, weight: -1}]"}, "data.train[0].weight"),
     ({"data.train": "[{path: a, wieght: 1}]"}, "wieght"),
+    ({"distributed.timeout_seconds": "5"}, "distributed.timeout_seconds"),
+    ({"distributed.timeout_seconds": "soon"}, "--distributed.timeout_seconds"),
 ])
 def test_bad_overrides_name_the_key(overrides, key):
     with pytest.raises((ValueError, TypeError), match=key.replace("[", r"\[").replace("]", r"\]")):
