@@ -46,12 +46,15 @@ WARMUP_FRACTION = 0.1
 # A run is not started with less time than this left of --wall_time: it would stop before doing anything.
 MIN_RUN_SECONDS = 120.0
 
-# Recipe keys the study's own options set: an override after -- would rename or misplace the runs.
+# Recipe keys an override after -- may not change, and why: the study's options set them (the runs are
+# named and found by them), or a finished run is recognised by its final checkpoint in its own folder.
 OWN_KEYS = {
-    "optimizer.lr": "--lrs", "train.seed": "--seeds", "train.max_steps": "--steps", "train.max_tokens": "--tokens",
-    "train.global_batch_size": "--batch", "train.micro_batch_size": "--micro_batch",
-    "train.max_wall_time": "--wall_time", "checkpoint.dir": "the run folder (OUT/<run>/checkpoints)",
-    "checkpoint.at_end": "the final checkpoint (true: it marks a finished run)",
+    **{key: f"the study sets it from {flag}" for key, flag in (
+        ("optimizer.lr", "--lrs"), ("train.seed", "--seeds"), ("train.max_steps", "--steps"),
+        ("train.max_tokens", "--tokens"), ("train.global_batch_size", "--batch"),
+        ("train.micro_batch_size", "--micro_batch"), ("train.max_wall_time", "--wall_time"))},
+    "checkpoint.dir": "each run keeps its checkpoints in its own folder, OUT/<run>/checkpoints",
+    "checkpoint.at_end": "the final checkpoint marks a finished run",
 }
 
 
@@ -121,17 +124,34 @@ def _words(text: str) -> list[str]:
     return text.replace(",", " ").split()
 
 
-def _numbers(text: str, flag: str, kind: type) -> list:
-    values = []
+def _rates(text: str, flag: str) -> list[float]:
+    """Distinct positive numbers from ``text`` (separated by spaces or commas); ValueError naming ``flag``."""
+    values: list[float] = []
     for word in _words(text):
         try:
-            value = kind(word) if kind is float else int(float(word))
-            if kind is int and float(word) != value:
-                raise ValueError
+            value = float(word)
         except ValueError:
-            raise ValueError(f"{flag}: expected {'numbers' if kind is float else 'integers'}, got {word!r}") from None
-        if kind is float and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag}: a learning rate must be positive, got {word!r}")
+            raise ValueError(f"{flag}: expected numbers, got {word!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag}: must be positive, got {word!r}")
+        if value in values:
+            raise ValueError(f"{flag}: {word} is given twice")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{flag}: give at least one value")
+    return values
+
+
+def _integers(text: str, flag: str, minimum: int) -> list[int]:
+    """Distinct integers >= ``minimum`` from ``text`` (separated by spaces or commas); ValueError naming ``flag``."""
+    values: list[int] = []
+    for word in _words(text):
+        try:
+            value = int(word)
+        except ValueError:
+            raise ValueError(f"{flag}: expected integers, got {word!r}") from None
+        if value < minimum:
+            raise ValueError(f"{flag}: must be >= {minimum}, got {value}")
         if value in values:
             raise ValueError(f"{flag}: {word} is given twice")
         values.append(value)
@@ -150,7 +170,7 @@ def trainer_overrides(argv: Sequence[str]) -> dict[str, str]:
         raise ValueError(f"after --, only trainer overrides (--section.key value) are accepted; got {rest[0]!r}")
     for key in overrides:
         if key in OWN_KEYS:
-            raise ValueError(f"--{key} after --: the study sets it from {OWN_KEYS[key]}")
+            raise ValueError(f"--{key} after --: {OWN_KEYS[key]}")
     return overrides
 
 
@@ -192,7 +212,7 @@ class Study:
         self.data = Path(options.data).resolve()
         self.out = Path(options.out).resolve()
         self.tasks = [t.strip() for t in options.tasks.split(",") if t.strip()]
-        self.niah_lengths = _numbers(options.niah, "--niah", int) if _words(options.niah) else []
+        self.niah_lengths = _integers(options.niah, "--niah", 1) if _words(options.niah) else []
         check_data(self.data, need_tokenizer=bool(self.tasks or self.niah_lengths))
         if options.steps is not None and options.tokens is not None:
             raise ValueError("give --steps or --tokens, not both")
@@ -205,8 +225,8 @@ class Study:
             f"{kind}_{options.size}" for kind in ("swa_gdn2", "gdn2", "transformer")]
         if not self.models:
             raise ValueError("--models: give at least one config")
-        self.lrs = _numbers(options.lrs, "--lrs", float)
-        self.seeds = _numbers(options.seeds, "--seeds", int)
+        self.lrs = _rates(options.lrs, "--lrs")
+        self.seeds = _integers(options.seeds, "--seeds", 0)
         self.deadline = time.time() + parse_duration(options.wall_time) if options.wall_time else None
         haystack = options.niah_haystack or default_haystack(self.data)
         self.niah_metadata = {"num_samples": options.niah_samples, **({"haystack": haystack} if haystack else {})}
@@ -241,7 +261,8 @@ class Study:
         own = {
             "data.train": str(self.data), "data.val": str(self.data), "data.prepare_default": "false",
             "train.seed": str(seed), "train.max_steps": str(steps),
-            "train.warmup_steps": str(max(1, round(WARMUP_FRACTION * steps))), "train.min_lr_ratio": "0.1",
+            # as a fraction, so that an override of either warmup key after -- takes effect
+            "train.warmup_fraction": str(WARMUP_FRACTION), "train.warmup_steps": "null", "train.min_lr_ratio": "0.1",
             "train.global_batch_size": str(o.batch), "train.micro_batch_size": str(o.micro_batch),
             "optimizer.lr": repr(lr), "optimizer.weight_decay": "0.1",
             "eval.interval": str(interval), "eval.length_multipliers": "[1, 2, 4]",
@@ -313,7 +334,9 @@ class Study:
         how = "continuing from its newest checkpoint" if state == "partial" else "training"
         print(f"== {run.label}: {how}: {run.steps} steps of {self.options.batch} x {run.block_size} tokens, "
               f"lr {rate_label(run.lr)}, seed {run.seed}", flush=True)
+        started = time.time()
         status = _call(command)
+        minutes = (time.time() - started) / 60
         state = self.state(run)
         if state == "diverged":
             print(f"== {run.label}: diverged (the trainer stopped on non-finite losses); the sweep records it",
@@ -323,8 +346,10 @@ class Study:
             raise ValueError(f"{run.folder}: the trainer stopped with exit status {status} (its output above says "
                              "why); the same command continues the study once that is fixed")
         if state != "finished":
-            print(f"== {run.label}: stopped before its last step; the same command continues it", flush=True)
+            print(f"== {run.label}: stopped before its last step after {minutes:.1f} min; the same command "
+                  "continues it", flush=True)
             return False
+        print(f"== {run.label}: finished in {minutes:.1f} min", flush=True)
         return True
 
     def niah_done(self, run: PlannedRun) -> bool:
@@ -343,8 +368,9 @@ class Study:
         if self.niah_done(run):
             print(f"== {run.label}: NIAH scored earlier, not again", flush=True)
             return
+        haystack = self.niah_metadata.get("haystack", "Paul Graham's essays")
         print(f"== {run.label}: NIAH at {', '.join(map(str, self.niah_lengths))} tokens, "
-              f"{self.options.niah_samples} samples per task and length", flush=True)
+              f"{self.options.niah_samples} samples per task and length, haystack {haystack}", flush=True)
         command = [sys.executable, "-m", "gdn2", "eval", "--checkpoint", str(run.final_checkpoint),
                    "--tasks", "gdn2_niah", "--max_seq_lengths", ",".join(map(str, self.niah_lengths)),
                    "--metadata", json.dumps(self.niah_metadata), "--tokenizer", str(self.data / "tokenizer.model")]
@@ -366,34 +392,35 @@ class Study:
         if self.options.dry_run:
             return self.show(sweep)
         self.out.mkdir(parents=True, exist_ok=True)
-        going = True
-        for run in sweep:
-            going = going and self.train(run)
+        going = all(self.train(run) for run in sweep)  # all() stops at the first run that stopped early
         seeded: list[PlannedRun] = []
-        for model in self.models:
-            best = self.best_rate(model, sweep) if going else None
+        without_best = 0  # configs whose every rate diverged: they get no extra seeds
+        for model in self.models if going else []:
+            best = self.best_rate(model, sweep)
             if best is None:
-                if going:
-                    print(f"== {self.names[model]}: every rate diverged; no extra seeds", flush=True)
+                print(f"== {self.names[model]}: every rate diverged; no extra seeds", flush=True)
+                without_best += 1
                 continue
             if len(self.lrs) > 1:
                 print(f"== {self.names[model]}: best rate {rate_label(best)}", flush=True)
-            for seed in extra:
-                run = self.planned(model, best, seed)
-                seeded.append(run)
-                going = going and self.train(run)
+            seeded += [self.planned(model, best, seed) for seed in extra]
+        going = going and all(self.train(run) for run in seeded)
         done = [run for run in sweep + seeded if self.state(run) in ("finished", "diverged")]
         best = best_rates([load_run(run.folder) for run in done]) if done else {}
-        if self.niah_lengths and going:
-            for run in done:
-                if best.get(run.name) == run.lr and self.state(run) == "finished":
-                    self.score_niah(run)
+        for run in done if self.niah_lengths and going else []:
+            left = self.time_left()
+            if left is not None and left <= 0:
+                print("== NIAH not scored: --wall_time is spent", flush=True)
+                going = False
+                break
+            if best.get(run.name) == run.lr and self.state(run) == "finished":
+                self.score_niah(run)
         if done:
             order = {model: index for index, model in enumerate(self.models)}
             done.sort(key=lambda r: (order[r.config], r.lr, self.seeds.index(r.seed)))
             compare([run.folder for run in done], self.out / "compare", self.title())
             print(f"== compared {len(done)} runs: {self.out / 'compare' / 'compare.md'} and compare.png", flush=True)
-        planned = len(self.models) * (len(self.lrs) + len(extra))
+        planned = len(sweep) + len(extra) * (len(self.models) - without_best)
         if going and len(done) == planned:
             print(f"== the study is complete: {planned} runs", flush=True)
         else:
