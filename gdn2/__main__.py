@@ -17,6 +17,7 @@ COMMANDS = {
     "generate": ("gdn2.generation.cli", "main", "generate text from a checkpoint"),
     "eval": ("gdn2.eval.run", "main", "score a checkpoint with lm-eval tasks"),
     "compare": ("gdn2.eval.compare", "main", "compare run folders: table and picture"),
+    "study": ("gdn2.study", "main", "the quality study: a learning-rate sweep per config, seeds, NIAH, compare"),
     "tokenizer": ("gdn2.data_prep.train_tokenizer", "main", "train a SentencePiece tokenizer"),
     "prepare": ("gdn2.data_prep.prepare", "main", "tokenise a corpus into packed shards"),
     "corpus": ("gdn2.data_prep.default_corpus", "main", "build the built-in corpus (no download)"),

@@ -323,7 +323,8 @@ def test_niah_table_and_compare(tmp_path):
         run = tmp_path / name
         (run / "eval").mkdir(parents=True)
         (run / "config.yaml").write_text(yaml.safe_dump({
-            "model": {"name": "tiny", "block_size": 8, "vocab_size": 16}, "train": {"global_batch_size": 1}}))
+            "model": {"name": "tiny", "block_size": 8, "vocab_size": 16}, "train": {"global_batch_size": 1},
+            "optimizer": {"lr": 1e-3}}))
         (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
         (run / "run.json").write_text(json.dumps({"block_parameters": 10}))
         (run / "eval" / "results-step-000000001.json").write_text(json.dumps({"summary": summary}))
