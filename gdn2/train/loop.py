@@ -29,8 +29,8 @@ from gdn2.train.metrics import MetricsLog, TrainLog, peak_bf16_flops
 from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
-from gdn2.train.setup import (RunLock, build_fabric, build_model_and_optimizer, check_resume_compatible,
-                              check_vocabulary, prepare_default_corpus, setup_logging, write_run_info)
+from gdn2.train.setup import (build_fabric, build_model_and_optimizer, check_resume_compatible, check_vocabulary,
+                              lock_run_folders, prepare_default_corpus, setup_logging, write_run_info)
 from gdn2.train.slurm import SlurmJob, StopSignals, parse_duration, requeue
 from gdn2.train.validate import LmEvaluator, Validator
 
@@ -150,8 +150,7 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     setup_logging(fabric.global_rank)
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
     out_dir = Path(recipe.out_dir)
-    lock = RunLock(out_dir)
-    refusal = lock.acquire() if rank0 else None  # a second trainer on this folder stops here, every rank
+    locks, refusal = lock_run_folders(recipe) if rank0 else ([], None)  # a second trainer stops here, every rank
     refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
     if refusal is not None:
         raise ValueError(refusal)
@@ -162,7 +161,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
         return _fit(fabric, recipe, plan, resume, started, budget, topology, precision, slurm, out_dir, signals)
     finally:
         signals.restore()
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
 def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started: float, budget: Optional[float],
