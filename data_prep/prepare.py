@@ -879,6 +879,9 @@ def _prepare_locked(plan: Plan, output: Path, workers: int, shard_tokens: int, t
                     overwrite: bool, progress: bool, on_unit: Callable[[int, WorkUnit, dict], None] | None
                     ) -> dict | None:
     """:func:`prepare` once it holds the lock on ``output``."""
+    for stale in _our_files(output):  # temporary files of a run that died mid-write: nobody else writes here
+        if stale.name.endswith(".tmp"):
+            stale.unlink()
     if not overwrite:
         done = _manifest_complete(output, plan.fingerprint)
         if done is not None:

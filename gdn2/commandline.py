@@ -297,8 +297,17 @@ def sigterm_stops() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def told_elsewhere(error: BaseException, elsewhere: bool) -> BaseException:
+    """Mark ``error`` as printed by another process of the same job (``elsewhere``: this is not rank 0 and
+    every rank raises the same error), so that :func:`run` exits 2 without printing it: a job of many ranks
+    says it once. Returns ``error``."""
+    error.told_elsewhere = elsewhere  # type: ignore[attr-defined]
+    return error
+
+
 def run(main: Callable[[list[str]], Optional[int]], argv: Sequence[str], prog: str) -> int:
-    """Call ``main(argv)`` (flags normalised); an expected failure becomes one line and exit 2."""
+    """Call ``main(argv)`` (flags normalised); an expected failure becomes one line and exit 2 (no line in
+    a process whose error :func:`told_elsewhere` marks)."""
     argv = underscore_flags(argv)
     debug = "--debug" in argv or os.environ.get("GDN2_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -310,6 +319,8 @@ def run(main: Callable[[list[str]], Optional[int]], argv: Sequence[str], prog: s
     except BaseException as error:  # noqa: BLE001 - sorted below: expected ones become one line
         if debug or not _is_expected(error):
             raise
+        if getattr(error, "told_elsewhere", False):
+            return EXIT_USAGE
         message = " ".join(str(error).split()) or type(error).__name__
         if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
             message = f"{error.filename}: {message}"

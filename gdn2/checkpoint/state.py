@@ -29,6 +29,7 @@ import torch
 from gdn2.checkpoint.format import (CONFIG, RANKS, SHARDED_META, STATE, _gather, bare_state_dict, checkpoint_name,
                                     digest_files, is_complete, list_checkpoints, write_marker)
 from gdn2.checkpoint.resume import prune_checkpoints
+from gdn2.commandline import told_elsewhere
 from gdn2.files import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class CheckpointWriteError(OSError):
     """A checkpoint the operating system would not let us write (``errno``: ENOSPC for a full disk, EDQUOT,
-    EIO, ...). Every rank raises it; the message names the folder, its free space and the last good
-    checkpoint, and the partial checkpoint is gone."""
+    EIO, ...). Every rank raises it (on the command line rank 0 alone prints it); the message names the
+    folder, its free space and the last good checkpoint, and the partial checkpoint is gone."""
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -198,10 +199,10 @@ def _settle(fabric: Any, root: Path, tmp: Path, step: int, failure: Optional[Bas
         raise RuntimeError(f"saving the checkpoint of step {step} in {root} failed on rank {rank}: {text}")
     good = list_checkpoints(root)
     where = f" (rank {rank})" if fabric.world_size > 1 else ""
-    raise CheckpointWriteError(code, (
+    raise told_elsewhere(CheckpointWriteError(code, (
         f"{os.strerror(code)} while saving the checkpoint of step {step} in {root}{where}: {_bytes(free)} free "
         f"there of {_bytes(total)}; the partial checkpoint was removed. The last good checkpoint is "
-        f"{good[-1][1] if good else 'none (none was written yet)'}"))
+        f"{good[-1][1] if good else 'none (none was written yet)'}")), fabric.global_rank != 0)
 
 
 @contextmanager

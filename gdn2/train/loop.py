@@ -20,6 +20,7 @@ import torch
 from gdn2.checkpoint.format import list_checkpoints
 from gdn2.checkpoint.resume import resolve_resume, resume_candidates, supersede_newer
 from gdn2.checkpoint.state import load_checkpoint, set_rng_state
+from gdn2.commandline import told_elsewhere
 from gdn2.data.loader import TrainLoader
 from gdn2.model import GPT, flops_per_token
 from gdn2.train.checkpointer import Checkpointer
@@ -153,7 +154,7 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     locks, refusal = lock_run_folders(recipe) if rank0 else ([], None)  # a second trainer stops here, every rank
     refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
     if refusal is not None:
-        raise ValueError(refusal)
+        raise told_elsewhere(ValueError(refusal), not rank0)  # rank 0 says it
     # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly: one that comes while the model is built
     # is answered at the first step (a save, and a requeue under SLURM)
     signals = StopSignals().install()

@@ -39,6 +39,7 @@ def main(disk_sharded: str, disk_full: str, report: str) -> None:
                                 config_yaml="model: {}\n", info={"tokens": step}, keep_last=5, sharded=sharded)
             except CheckpointWriteError as error:
                 outcome["error"] = {"errno": error.errno, "message": str(error)}
+                outcome["printed"] = not getattr(error, "told_elsewhere", False)  # by the command line
                 break
             outcome["saved"].append(step)
         fabric.barrier()

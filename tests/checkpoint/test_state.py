@@ -120,6 +120,7 @@ def test_a_full_disk_on_two_ranks_fails_the_save_on_both_alike(small_disk, tmp_p
     ranks = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in (0, 1)]
     for name, root in disks.items():
         outcomes = [rank[name] for rank in ranks]
+        assert [outcome.pop("printed") for outcome in outcomes] == [True, False]  # rank 0 says it, once
         assert outcomes[0] == outcomes[1], name  # every rank saw the same save fail with the same message
         outcome = outcomes[0]
         assert outcome["saved"] == [1] and outcome["complete"] == [1] and outcome["error"]["errno"] == errno.ENOSPC
