@@ -909,8 +909,9 @@ def _prepare_locked(plan: Plan, output: Path, workers: int, shard_tokens: int, t
         stopped = _tokenise(plan, output, journal, writers, tmp_dir, processes, bar, on_unit, time_limit)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM under sigterm_stops: the pool is ended by now
         signum = getattr(stop, "signum", signal.SIGINT)
-        raise Stopped(f"{output}: stopped by {signal.Signals(signum).name} after {journal['units_done']} of "
-                      f"{len(plan.units)} work units; rerun the same command to continue", signum) from None
+        kept = _read_journal(output / JOURNAL_NAME)["units_done"]  # the file, which the stop may have beaten
+        raise Stopped(f"{output}: stopped by {signal.Signals(signum).name} after {kept} of {len(plan.units)} work "
+                      "units; rerun the same command to continue", signum) from None
     if stopped:
         return None
 
