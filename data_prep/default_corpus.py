@@ -7,6 +7,11 @@ Writes, in ``--output``: ``corpus.jsonl`` (one document per standard-library mod
 default), ``train_*.bin`` / ``val_*.bin`` packed shards and ``manifest.json``. Each step is skipped
 when its output exists, so a rerun is a no-op; about a minute on two cores.
 
+One build at a time: a build holds a lock on the folder (``.corpus.lock``), and a second one (another
+trainer starting on a fresh clone, say) waits for it, then finds the corpus finished. Every file is
+written under a temporary name and renamed, so a reader never sees half of one; the corpus counts as
+finished only when ``manifest.json`` and every shard it lists match.
+
 The text is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (code, comments,
 docstrings; ``pydoc_data`` brings the prose of the language reference), without site-packages,
 test suites and the codec tables of ``encodings``. Files are taken in an order fixed by a hash of
@@ -27,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from gdn2.commandline import option, parse_options
-from gdn2.data_prep.prepare import prepare
+from gdn2.commandline import option, parse_options, sigterm_stops
+from gdn2.data_prep.prepare import check_finished, prepare
 from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
-from gdn2.data.shards import MANIFEST_NAME, read_header
-from gdn2.files import atomic_file
+from gdn2.data.shards import read_manifest
+from gdn2.files import FolderLock, atomic_file
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
 DEFAULT_MAX_BYTES = 6_000_000
@@ -39,6 +44,7 @@ DEFAULT_VOCAB_SIZE = 4096
 # The corpus holds ~350 documents: 5% of them for validation is ~100K tokens.
 DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SHARD_TOKENS = 1 << 20
+LOCK_NAME = ".corpus.lock"
 
 
 def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
@@ -77,19 +83,16 @@ def write_corpus(path: Path, max_bytes: int) -> dict:
     return {"documents": len(documents), "bytes": sum(len(t.encode()) for _, t in documents)}
 
 
-def _finished_manifest(output: Path) -> dict | None:
-    """The manifest of a finished corpus whose shards are all in place, else None. Checked by
-    content rather than by prepare's input fingerprint, so that a copied directory (new mtimes)
-    still counts as finished."""
-    path = output / MANIFEST_NAME
-    if not path.exists():
+def finished_corpus(output: str | os.PathLike) -> dict | None:
+    """The manifest of a finished corpus in ``output`` (its tokenizer there, every shard matching the
+    manifest), else None. Checked by content rather than by prepare's input fingerprint, so that a copied
+    directory (new mtimes) still counts as finished. ValueError naming the manifest when it is damaged
+    or does not match its shards."""
+    output = Path(output)
+    manifest = read_manifest(output)
+    if manifest is None or not (output / "tokenizer.model").is_file():
         return None
-    manifest = json.loads(path.read_text())
-    for split in ("train", "val"):
-        for shard in manifest["shards"][split]:
-            shard_path = output / shard["name"]
-            if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
-                return None
+    check_finished(output, manifest)
     return manifest
 
 
@@ -97,15 +100,32 @@ def build_default_corpus(output: str | os.PathLike = "data/default", vocab_size:
                          max_bytes: int = DEFAULT_MAX_BYTES, workers: int | None = None,
                          val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                          seed: int = 3407, progress: bool = True) -> dict:
-    """Make (or finish) the default corpus in ``output``; returns its prepare manifest."""
+    """Make (or finish) the default corpus in ``output``; returns its prepare manifest. Holds the folder's
+    lock meanwhile: when another process is building it, says so and waits for it first."""
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    log = (lambda message: print(message, file=sys.stderr)) if progress else (lambda message: None)
+    lock = FolderLock(output, LOCK_NAME)
+    # said whatever ``progress`` is: a start that stalls needs a reason
+    lock.acquire(wait=True, on_wait=lambda holder: print(
+        f"{output}: the built-in corpus is being built by another process ({holder}); waiting for it to finish",
+        file=sys.stderr, flush=True))
+    try:
+        return _build_locked(output, vocab_size, max_bytes, workers, val_fraction, shard_tokens, seed, progress, log)
+    finally:
+        lock.release()
+
+
+def _build_locked(output: Path, vocab_size: int, max_bytes: int, workers: int | None, val_fraction: float,
+                  shard_tokens: int, seed: int, progress: bool, log) -> dict:
     corpus = output / "corpus.jsonl"
     tokenizer = output / "tokenizer.model"
-    log = (lambda message: print(message, file=sys.stderr)) if progress else (lambda message: None)
-
-    manifest = _finished_manifest(output)
-    if manifest is not None and tokenizer.exists():
+    overwrite = False
+    try:
+        manifest = finished_corpus(output)
+    except ValueError as error:  # our own folder, rebuilt from the same sources: redo the shards
+        log(f"{error}; making the shards again")
+        manifest, overwrite = None, True
+    if manifest is not None:
         log(f"{output}: already complete")
         return manifest
     if not corpus.exists():
@@ -120,7 +140,7 @@ def build_default_corpus(output: str | os.PathLike = "data/default", vocab_size:
         train_tokenizer(sentences, tokenizer, vocab_size=vocab_size, seed=seed)
         log(f"{tokenizer}: {vocab_size} pieces ({time.monotonic() - started:.1f}s)")
     return prepare([str(corpus)], tokenizer, output, workers=workers, val_fraction=val_fraction,
-                   shard_tokens=shard_tokens, progress=progress)
+                   shard_tokens=shard_tokens, progress=progress, overwrite=overwrite)
 
 
 @dataclass(kw_only=True)
@@ -139,8 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_options(CorpusOptions, list(argv or []), "gdn2 corpus", __doc__.split("\n\n")[0])
     if args is None:
         return 0
-    build_default_corpus(args.output, args.vocab_size, args.max_bytes, args.workers, args.val_fraction,
-                         args.shard_tokens, args.seed, progress=not args.quiet)
+    with sigterm_stops():  # a terminated build ends its workers and keeps its journal, as after Ctrl-C
+        build_default_corpus(args.output, args.vocab_size, args.max_bytes, args.workers, args.val_fraction,
+                             args.shard_tokens, args.seed, progress=not args.quiet)
     return 0
 
 

@@ -28,7 +28,14 @@ unit order and, after each unit, syncs the files and atomically rewrites a journ
 (``.prepare_journal.json``: units done, shards finished, tokens in the open shard, counters).
 Rerunning the same command after a crash, a kill or ``--time_limit`` truncates the open shard to the
 journal and continues with the next unit: the result is byte-identical to an uninterrupted run,
-whatever ``--workers`` is. A finished output (``manifest.json`` present) makes a rerun a no-op.
+whatever ``--workers`` is. SIGTERM and Ctrl-C stop a run the same way, with one line saying how far it
+got: the workers are ended and the journal stays as the last finished unit left it.
+
+One run at a time: a run holds a lock on ``--output`` (``.prepare.lock``), and a second one is refused,
+naming the holder's pid and host (a lock whose holder died is free again at once). A rerun on a
+finished output (``manifest.json`` present) checks every shard against the manifest's counts (each
+listed shard present with the recorded tokens, the totals adding up, no shard it does not list) and
+then does nothing; an output that does not match is refused with a line naming what differs.
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,9 +61,10 @@ from typing import Optional
 
 import numpy as np
 
-from gdn2.commandline import option, parse_options
-from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, token_dtype_for_vocab
-from gdn2.files import file_sha256, fsync_dir, write_json_atomic
+from gdn2.commandline import Stopped, option, parse_options, sigterm_stops
+from gdn2.data.shards import (CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, read_manifest,
+                              token_dtype_for_vocab)
+from gdn2.files import FolderLock, file_sha256, fsync_dir, write_json_atomic
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -71,6 +81,7 @@ ENCODE_BATCH_DOCS = 256
 
 JOURNAL_NAME = ".prepare_journal.json"
 TMP_DIR_NAME = ".prepare_tmp"
+LOCK_NAME = ".prepare.lock"
 SPLITS = ("train", "val")
 SKIP_REASONS = ("empty", "undecodable", "missing_text", "bad_json")
 MAX_SKIP_EXAMPLES = 5
@@ -393,6 +404,13 @@ def _init_worker(tokenizer_path: str) -> None:
     _worker_tokenizer = spm.SentencePieceProcessor(model_file=tokenizer_path)
 
 
+def _init_pool_worker(tokenizer_path: str) -> None:
+    # Ctrl-C reaches the whole process group: the main process answers it (it ends the pool), a worker
+    # that raised KeyboardInterrupt too would only print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer_path)
+
+
 def _empty_stats() -> dict:
     return {
         "documents_read": 0,
@@ -624,28 +642,74 @@ def _fingerprint(inputs: list[dict], tokenizer: dict, settings: dict) -> str:
 
 
 def _our_files(output: Path) -> list[Path]:
-    names = [JOURNAL_NAME, MANIFEST_NAME, JOURNAL_NAME + ".tmp", MANIFEST_NAME + ".tmp"]
-    found = [output / n for n in names if (output / n).exists()]
+    found = [output / n for n in (JOURNAL_NAME, MANIFEST_NAME) if (output / n).exists()]
+    for name in (JOURNAL_NAME, MANIFEST_NAME):  # temporary files of atomic writes cut short
+        found += sorted(output.glob(f"{name}.*.tmp"))
     for split in SPLITS:
         found += sorted(output.glob(f"{split}_*.bin")) + sorted(output.glob(f"{split}_*.bin.partial"))
     return found
 
 
-def _manifest_complete(output: Path, fingerprint: str) -> dict | None:
+def _listed_shards(path: Path, manifest: dict) -> dict[str, list[tuple[str, int]]]:
+    """``{split: [(shard name, tokens), ...]}`` as manifest ``path`` lists them; ValueError naming the
+    manifest when its shard lists or token totals are missing or malformed."""
+    try:
+        listed = {split: [(shard["name"], shard["tokens"]) for shard in manifest["shards"][split]] for split in SPLITS}
+        totals = [manifest["tokens"][split] for split in SPLITS]
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{path}: damaged manifest (no shard list or token totals: {error!r})") from None
+    if not all(isinstance(name, str) and "/" not in name and isinstance(count, int)
+               for shards in listed.values() for name, count in shards) or not all(isinstance(t, int) for t in totals):
+        raise ValueError(f"{path}: damaged manifest (a shard entry or token total of the wrong type)")
+    return listed
+
+
+def check_finished(output: str | os.PathLike, manifest: dict) -> None:
+    """Check a finished output against its ``manifest``: every listed shard present, whole, with the
+    token count listed; each split's listed counts adding up to the manifest's total; no shard (or
+    unfinished ``.partial`` one) that the manifest does not list, which a loader would read too.
+    ValueError naming the manifest and the first thing that differs."""
+    output = Path(output)
     path = output / MANIFEST_NAME
-    if not path.exists():
+    listed = _listed_shards(path, manifest)
+    for split in SPLITS:
+        held = 0
+        for name, count in listed[split]:
+            shard = output / name
+            if not shard.is_file():
+                raise ValueError(f"{shard}: listed in {path} but missing")
+            tokens = read_header(shard)[1]  # also checks that the size matches the header's count
+            if tokens != count:
+                raise ValueError(f"{shard}: holds {tokens:,} tokens, {path} lists {count:,}")
+            held += tokens
+        claimed = manifest["tokens"][split]
+        if held != claimed:
+            raise ValueError(f"{path}: claims {claimed:,} {split} tokens, its shards hold {held:,}")
+        names = {name for name, _ in listed[split]}
+        strays = [p for p in sorted(output.glob(f"{split}_*.bin")) + sorted(output.glob(f"{split}_*.bin.partial"))
+                  if p.name not in names]
+        if strays:
+            raise ValueError(f"{strays[0]}: a shard that {path} does not list (left by another run?)")
+
+
+def _manifest_complete(output: Path, fingerprint: str) -> dict | None:
+    """The manifest of a finished output of this job, checked against its shards (None when there is
+    none); ValueError naming the manifest when it is damaged or does not match, or belongs to another job."""
+    manifest = read_manifest(output)  # a manifest that is not JSON is named
+    if manifest is None:
         return None
-    manifest = json.loads(path.read_text())
+    path = output / MANIFEST_NAME
+    _listed_shards(path, manifest)
     if manifest.get("fingerprint") != fingerprint:
         raise ValueError(
             f"{output}: holds a finished dataset made from other inputs, tokenizer or settings; "
             "use another --output or --overwrite"
         )
-    for split in SPLITS:
-        for shard in manifest["shards"][split]:
-            shard_path = output / shard["name"]
-            if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
-                raise ValueError(f"{shard_path}: listed in {path} but missing or changed; rerun with --overwrite")
+    try:
+        check_finished(output, manifest)
+    except ValueError as error:
+        raise ValueError(f"{error}; the output is not the dataset its manifest describes: rerun with --overwrite "
+                         "to make it again") from None
     return manifest
 
 
@@ -709,7 +773,7 @@ def _open_journal(output: Path, plan: Plan, overwrite: bool) -> dict:
             path.unlink()
     journal_path = output / JOURNAL_NAME
     if journal_path.exists():
-        journal = json.loads(journal_path.read_text())
+        journal = _read_journal(journal_path)
         if journal.get("fingerprint") != plan.fingerprint:
             raise ValueError(
                 f"{journal_path}: an unfinished job with other inputs, tokenizer or settings (inputs changed "
@@ -725,6 +789,21 @@ def _open_journal(output: Path, plan: Plan, overwrite: bool) -> dict:
     # Written before the first shard byte, so that a crash at any point later leaves a journal that
     # claims the output directory and says how much of it to keep.
     write_json_atomic(journal_path, journal)
+    return journal
+
+
+def _read_journal(path: Path) -> dict:
+    """The journal of an unfinished job; ValueError naming it when it is damaged (it is always written
+    atomically, so only something else can have damaged it)."""
+    try:
+        journal = json.loads(path.read_text(encoding="utf-8"))
+        ok = (isinstance(journal, dict) and isinstance(journal.get("units_done"), int)
+              and isinstance(journal.get("stats"), dict)
+              and all(isinstance(journal["splits"][split]["shards"], list) for split in SPLITS))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: damaged journal ({error}); rerun with --overwrite to start again") from None
+    if not ok:
+        raise ValueError(f"{path}: damaged journal (missing fields); rerun with --overwrite to start again")
     return journal
 
 
@@ -747,8 +826,16 @@ def _unit_results(plan: Plan, start: int, tmp_dir: Path, processes: int, stack: 
     if processes == 1:
         _init_worker(tokenizer_path)
         return map(_encode_unit_task, tasks)
-    # spawn, not fork: the parent may hold pyarrow or torch thread pools that fork would break.
-    pool = mp.get_context("spawn").Pool(processes, initializer=_init_worker, initargs=(tokenizer_path,))
+    # spawn, not fork: the parent may hold pyarrow or torch thread pools that fork would break. The workers
+    # start with Ctrl-C ignored (an ignored signal stays ignored across exec), so none is interrupted before
+    # its initializer has said so itself.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        pool = mp.get_context("spawn").Pool(processes, initializer=_init_pool_worker, initargs=(tokenizer_path,))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     stack.callback(pool.join)
     stack.callback(pool.terminate)
     return _ordered_bounded(pool, tasks, in_flight=2 * processes)
@@ -768,13 +855,33 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
     the ``pid`` of the process that tokenised it).
     Worker processes are spawned, so they import the caller's ``__main__`` module: keep heavy
     imports of a calling script under ``if __name__ == "__main__"``.
+    ``output`` is locked for the call: ValueError naming the folder and the holder when another run holds
+    it. Interrupted (KeyboardInterrupt, or :class:`gdn2.commandline.Stopped`), it ends its workers and
+    raises :class:`Stopped` saying how many units are kept.
     """
     workers = workers or len(os.sched_getaffinity(0))
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     plan = plan_job(inputs, tokenizer, val_fraction, shard_tokens, dtype, text_key, val_inputs)
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(output, LOCK_NAME)
+    holder = lock.acquire()
+    if holder is not None:
+        raise ValueError(f"--output: {output} is in use by another prepare run ({holder}); wait for it to finish, "
+                         "or use another --output")
+    try:
+        return _prepare_locked(plan, output, workers, shard_tokens, time_limit, overwrite, progress, on_unit)
+    finally:
+        lock.release()
+
+
+def _prepare_locked(plan: Plan, output: Path, workers: int, shard_tokens: int, time_limit: float | None,
+                    overwrite: bool, progress: bool, on_unit: Callable[[int, WorkUnit, dict], None] | None
+                    ) -> dict | None:
+    """:func:`prepare` once it holds the lock on ``output``."""
+    for stale in _our_files(output):  # temporary files of a run that died mid-write: nobody else writes here
+        if stale.name.endswith(".tmp"):
+            stale.unlink()
     if not overwrite:
         done = _manifest_complete(output, plan.fingerprint)
         if done is not None:
@@ -798,36 +905,15 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
         total_rows = sum(u.rows for u in plan.units) if all(u.kind == "parquet" for u in plan.units) else None
         bar = tqdm(total=total_rows, initial=stats["documents_read"], unit="doc", unit_scale=True,
                    dynamic_ncols=True, desc=f"tokenising ({processes} process{'es' if processes > 1 else ''})", smoothing=0.05)
-    started = time.monotonic()
-    tokens_this_run = 0
-    with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, tmp_dir, ignore_errors=True)
-        for writer in writers.values():
-            stack.callback(writer.close)
-        if bar is not None:
-            stack.callback(bar.close)
-        for index, unit_stats in enumerate(_unit_results(plan, start, tmp_dir, processes, stack), start=start):
-            for split in SPLITS:
-                part = tmp_dir / f"unit_{index:09d}.{split}"
-                writers[split].append_file(part)
-                part.unlink()
-                writers[split].sync()
-            _add_stats(stats, unit_stats)
-            if on_unit is not None:
-                on_unit(index, plan.units[index], unit_stats)
-            journal["units_done"] = index + 1
-            journal["splits"] = {split: {"shards": w.shards, "partial_tokens": w.partial_tokens}
-                                 for split, w in writers.items()}
-            write_json_atomic(output / JOURNAL_NAME, journal)
-            tokens_this_run += sum(unit_stats["tokens"].values())
-            if bar is not None:
-                bar.update(unit_stats["documents_read"])
-                rate = tokens_this_run / max(time.monotonic() - started, 1e-9)
-                bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s, {stats['tokens']['train'] / 1e9:.3f}B train tokens")
-            if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(plan.units):
-                print(f"{output}: stopped after {index + 1} of {len(plan.units)} work units (--time_limit); "
-                      "rerun the same command to continue", file=sys.stderr)
-                return None
+    try:
+        stopped = _tokenise(plan, output, journal, writers, tmp_dir, processes, bar, on_unit, time_limit)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM under sigterm_stops: the pool is ended by now
+        signum = getattr(stop, "signum", signal.SIGINT)
+        kept = _read_journal(output / JOURNAL_NAME)["units_done"]  # the file, which the stop may have beaten
+        raise Stopped(f"{output}: stopped by {signal.Signals(signum).name} after {kept} of {len(plan.units)} work "
+                      "units; rerun the same command to continue", signum) from None
+    if stopped:
+        return None
 
     kept = stats["documents_kept"]
     if kept["train"] + kept["val"] == 0:
@@ -862,6 +948,46 @@ def prepare(inputs: Sequence[str], tokenizer: str | os.PathLike, output: str | o
               f"{manifest['tokens']['val']:,} val tokens in {len(writers['val'].shards)}; documents kept "
               f"{kept['train'] + kept['val']:,}, skipped {dict(stats['documents_skipped'])}", file=sys.stderr)
     return manifest
+
+
+def _tokenise(plan: Plan, output: Path, journal: dict, writers: dict[str, "ShardWriter"], tmp_dir: Path,
+              processes: int, bar, on_unit: Callable[[int, WorkUnit, dict], None] | None,
+              time_limit: float | None) -> bool:
+    """Tokenise the units the journal has not done yet, committing each to the shards and the journal in
+    order; True when ``time_limit`` stopped it first. Whatever ends it, the workers are ended and the
+    temporary folder removed on the way out."""
+    stats, start = journal["stats"], journal["units_done"]
+    started = time.monotonic()
+    tokens_this_run = 0
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp_dir, ignore_errors=True)
+        for writer in writers.values():
+            stack.callback(writer.close)
+        if bar is not None:
+            stack.callback(bar.close)
+        for index, unit_stats in enumerate(_unit_results(plan, start, tmp_dir, processes, stack), start=start):
+            for split in SPLITS:
+                part = tmp_dir / f"unit_{index:09d}.{split}"
+                writers[split].append_file(part)
+                part.unlink()
+                writers[split].sync()
+            _add_stats(stats, unit_stats)
+            if on_unit is not None:
+                on_unit(index, plan.units[index], unit_stats)
+            journal["units_done"] = index + 1
+            journal["splits"] = {split: {"shards": w.shards, "partial_tokens": w.partial_tokens}
+                                 for split, w in writers.items()}
+            write_json_atomic(output / JOURNAL_NAME, journal)
+            tokens_this_run += sum(unit_stats["tokens"].values())
+            if bar is not None:
+                bar.update(unit_stats["documents_read"])
+                rate = tokens_this_run / max(time.monotonic() - started, 1e-9)
+                bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s, {stats['tokens']['train'] / 1e9:.3f}B train tokens")
+            if time_limit is not None and time.monotonic() - started >= time_limit and index + 1 < len(plan.units):
+                print(f"{output}: stopped after {index + 1} of {len(plan.units)} work units (--time_limit); "
+                      "rerun the same command to continue", file=sys.stderr)
+                return True
+    return False
 
 
 def _ordered_bounded(pool, tasks: Iterator[tuple], in_flight: int) -> Iterator[dict]:
@@ -900,10 +1026,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_options(PrepareOptions, list(argv or []), "gdn2 prepare", __doc__.split("\n\n")[0])
     if args is None:
         return 0
-    manifest = prepare(args.input, args.tokenizer, args.output, workers=args.workers, val_fraction=args.val_fraction,
-                       shard_tokens=args.shard_tokens, dtype=args.dtype, text_key=args.text_key,
-                       time_limit=args.time_limit, overwrite=args.overwrite, progress=not args.quiet,
-                       val_inputs=args.val_input)
+    with sigterm_stops():  # a terminated run ends its workers and keeps its journal, as after Ctrl-C
+        manifest = prepare(args.input, args.tokenizer, args.output, workers=args.workers,
+                           val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, dtype=args.dtype,
+                           text_key=args.text_key, time_limit=args.time_limit, overwrite=args.overwrite,
+                           progress=not args.quiet, val_inputs=args.val_input)
     return 0 if manifest is not None else EXIT_INCOMPLETE
 
 

@@ -52,6 +52,7 @@ from typing import Optional
 
 from gdn2.commandline import option, parse_options
 from gdn2.data_prep.prepare import Skipped, expand_inputs, plan_units, read_documents
+from gdn2.files import fsync_dir
 
 LLAMA2_SETTINGS = dict(
     model_type="bpe",
@@ -200,8 +201,12 @@ def train_tokenizer(sentences: Sequence[str], output: str | os.PathLike, vocab_s
             if "required_chars" in str(error) or "Vocabulary size" in str(error):
                 raise ValueError(f"--vocab_size {vocab_size} is too small for this text: {error}") from error
             raise
+        for written in (prefix + ".vocab", prefix + ".model"):  # on disk before the names say they are there
+            with open(written, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(prefix + ".vocab", output.with_suffix(".vocab"))
         os.replace(prefix + ".model", output)
+        fsync_dir(output.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return output

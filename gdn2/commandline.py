@@ -10,7 +10,9 @@ Flags are spelled with underscores (``--max_new_tokens``); the dashed spelling (
 accepted too. A value is ``--flag value`` or ``--flag=value``; a true/false flag given alone means true;
 a list-typed flag may be repeated (``--input a --input b``). An expected failure (a bad argument, config
 key or value, a missing or corrupt file, a full disk) is printed as one line, ``<prog>: error:
-<message>``, with exit status 2. ``--debug`` (or ``GDN2_DEBUG=1``) shows the traceback instead.
+<message>``, with exit status 2. ``--debug`` (or ``GDN2_DEBUG=1``) shows the traceback instead. A command
+stopped by Ctrl-C, or by SIGTERM inside :func:`sigterm_stops`, ends with one line too (what was kept), and
+the exit status a shell gives a process that signal ended (130, 143).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import copy
 import dataclasses
 import errno
 import os
+import signal
 import sys
+import threading
 import types
 import typing
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 EXIT_USAGE = 2
 
@@ -263,19 +268,59 @@ def _is_expected(error: BaseException) -> bool:
         return False
 
 
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal: Ctrl-C (SIGINT) or SIGTERM. Its message, when it has one, says what
+    was kept; ``signum`` sets the exit status (128 + signum)."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum=signum)
+
+
+@contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """Inside the block SIGTERM raises :class:`Stopped` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so a terminated command unwinds: its with-blocks and finally-clauses end its worker
+    processes and remove its temporary files instead of dying with them in place. The previous handler
+    comes back afterwards. Elsewhere than in the main thread it does nothing (handlers belong there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def told_elsewhere(error: BaseException, elsewhere: bool) -> BaseException:
+    """Mark ``error`` as printed by another process of the same job (``elsewhere``: this is not rank 0 and
+    every rank raises the same error), so that :func:`run` exits 2 without printing it: a job of many ranks
+    says it once. Returns ``error``."""
+    error.told_elsewhere = elsewhere  # type: ignore[attr-defined]
+    return error
+
+
 def run(main: Callable[[list[str]], Optional[int]], argv: Sequence[str], prog: str) -> int:
-    """Call ``main(argv)`` (flags normalised); an expected failure becomes one line and exit 2."""
+    """Call ``main(argv)`` (flags normalised); an expected failure becomes one line and exit 2 (no line in
+    a process whose error :func:`told_elsewhere` marks)."""
     argv = underscore_flags(argv)
     debug = "--debug" in argv or os.environ.get("GDN2_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     try:
         return int(main(argv) or 0)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"{prog}: {' '.join(str(stop).split()) or 'interrupted'}", file=sys.stderr)
+        return 128 + getattr(stop, "signum", signal.SIGINT)
     except BaseException as error:  # noqa: BLE001 - sorted below: expected ones become one line
         if debug or not _is_expected(error):
             raise
+        if getattr(error, "told_elsewhere", False):
+            return EXIT_USAGE
         message = " ".join(str(error).split()) or type(error).__name__
         if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
             message = f"{error.filename}: {message}"

@@ -56,3 +56,30 @@ def artifacts(tmp_path_factory):
     from tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)``: a real file system of ``size`` (tmpfs, e.g. "3m") mounted on a fresh folder under
+    ``tmp_path``, so writes run into a real ENOSPC; unmounted after the test. Skips where mounting is not
+    allowed (not root, or no mount in a container)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                  capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip("cannot mount a tmpfs here: no mount command")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

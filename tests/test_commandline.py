@@ -96,3 +96,15 @@ def test_debug_shows_the_traceback_and_the_process_exits_2(tmp_path):
 def test_unknown_command(capsys):
     assert main(["train"]) == 2
     assert "unknown command 'train'" in capsys.readouterr().err
+
+
+def test_an_error_every_rank_raises_is_printed_by_rank_zero_alone(capsys):
+    from gdn2.commandline import run, told_elsewhere
+
+    for rank in (0, 1):
+        def failing(argv, rank=rank):
+            raise told_elsewhere(ValueError("the same on every rank"), elsewhere=rank != 0)
+
+        assert run(failing, [], prog="gdn2 pretrain") == 2
+        assert capsys.readouterr().err == ("gdn2 pretrain: error: the same on every rank (--debug shows the "
+                                           "traceback)\n" if rank == 0 else "")

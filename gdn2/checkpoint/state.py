@@ -4,7 +4,9 @@ counters, and every rank's data-loader and RNG states, in one format for every s
 Every rank writes into ``.step-<step>.tmp/`` directly (no staging elsewhere); after a barrier the ranks
 hash the files between them, rank 0 writes ``COMPLETE`` and renames the folder to its final name (an
 atomic rename within one file system), so a crash mid-save leaves the previous checkpoint as the newest
-complete one.
+complete one. A write that fails on any rank (a full disk, a quota) fails the save on every rank alike,
+with one message naming the folder, its free space and the last good checkpoint, and the partial
+folder removed, so the disk is not left full of it.
 
 The caller hands in the plain modules (the model as FSDP / DDP wrapped it, the optimizer), not
 Fabric's wrappers around them; ``fabric`` is used for its ranks and barriers only.
@@ -19,14 +21,15 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from gdn2.checkpoint.format import (CONFIG, RANKS, SHARDED_META, STATE, bare_state_dict, checkpoint_name, digest_files,
-                                    is_complete, write_marker)
+from gdn2.checkpoint.format import (CONFIG, RANKS, SHARDED_META, STATE, _gather, bare_state_dict, checkpoint_name,
+                                    digest_files, is_complete, list_checkpoints, write_marker)
 from gdn2.checkpoint.resume import prune_checkpoints
+from gdn2.commandline import told_elsewhere
 from gdn2.files import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint the operating system would not let us write (``errno``: ENOSPC for a full disk, EDQUOT,
+    EIO, ...). Every rank raises it (on the command line rank 0 alone prints it); the message names the
+    folder, its free space and the last good checkpoint, and the partial checkpoint is gone."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], rank_state: dict[str, Any],
                     config_yaml: str, info: dict[str, Any], keep_last: int, sharded: bool = True) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; every rank calls this.
@@ -58,7 +70,15 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
     ``state``: ``{"model", "optimizer", "trainer": dict}`` (see :func:`save_state`; ``sharded``: its format).
     ``rank_state``: this rank's picklable extras (data loader, RNG). ``info`` goes into the marker.
     Afterwards only the newest ``keep_last`` complete checkpoints are kept.
+
+    A failure on any rank fails the save on all of them (they agree after each phase): a write refused by
+    the operating system raises :class:`CheckpointWriteError` everywhere, with the partial folder removed;
+    any other error is raised as it is by the rank it happened on (the others raise RuntimeError naming
+    that rank), and the partial folder stays under its temporary name for a look (the next save of the
+    step, or pruning, removes it).
     """
+    from torch.distributed.checkpoint.api import CheckpointException  # derives from BaseException only
+
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".{checkpoint_name(step)}.tmp"
@@ -72,23 +92,117 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
                 shutil.rmtree(stale)
     fabric.barrier()
 
-    save_state(fabric, tmp / STATE, state, sharded=sharded)
-    ranks = tmp / RANKS
-    ranks.mkdir(parents=True, exist_ok=True)
-    torch.save(rank_state, ranks / f"rank-{fabric.global_rank:05d}.pt")
-    if fabric.global_rank == 0:
-        (tmp / CONFIG).write_text(config_yaml)
-    fabric.barrier()
+    failure: Optional[BaseException] = None
+    try:
+        save_state(fabric, tmp / STATE, state, sharded=sharded)
+        ranks = tmp / RANKS
+        ranks.mkdir(parents=True, exist_ok=True)
+        _write_durably(ranks / f"rank-{fabric.global_rank:05d}.pt", rank_state)
+        if fabric.global_rank == 0:
+            with open(tmp / CONFIG, "w") as f:
+                f.write(config_yaml)
+                f.flush()
+                os.fsync(f.fileno())
+    except (Exception, CheckpointException) as error:
+        failure = error
+    _settle(fabric, root, tmp, step, failure)  # also the barrier before hashing
     files = digest_files(tmp, fabric)
 
+    failure = None
     if fabric.global_rank == 0:
-        write_marker(tmp, dict(info, step=step, world_size=fabric.world_size, saved_at=time.time(), files=files))
-        os.replace(tmp, final)
-        fsync_dir(root)
-        prune_checkpoints(root, keep_last)
-    fabric.barrier()
+        try:
+            write_marker(tmp, dict(info, step=step, world_size=fabric.world_size, saved_at=time.time(), files=files))
+            os.replace(tmp, final)
+            fsync_dir(root)
+            prune_checkpoints(root, keep_last)
+        except Exception as error:
+            failure = error
+    _settle(fabric, root, tmp, step, failure)
     return final
 
+
+# What torch's zip writer says when a write fails (it keeps the OSError only as the context of its
+# RuntimeError, and a CheckpointException of several ranks carries the message alone).
+TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+PROBE_BYTES = 1 << 20
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and every exception behind it: causes, contexts, and the per-rank failures a
+    torch.distributed.checkpoint CheckpointException holds."""
+    todo, found = [error], []
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return found
+
+
+def _os_errno(error: BaseException, folder: Path) -> Optional[int]:
+    """The errno of the operating-system error behind a failed save, if it was one: found in the chain, or,
+    where torch's writer reported a failed write without it, the errno a probe write into ``folder`` gets
+    now (the disk still full, or the quota still exceeded, answers ENOSPC or EDQUOT; a write it takes
+    means the failure was something else)."""
+    chain = _chain(error)
+    for current in chain:
+        if isinstance(current, OSError) and current.errno:
+            return current.errno
+    if not any(marker in str(current) for current in chain for marker in TORCH_WRITE_FAILURES):
+        return None
+    probe = folder / f".write-probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probed:
+        return probed.errno
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes for a reader: "512 B", "3.1 MiB", "1.2 TiB"."""
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def _settle(fabric: Any, root: Path, tmp: Path, step: int, failure: Optional[BaseException]) -> None:
+    """Every rank learns whether any rank failed (a collective, so also a barrier); on a failure every rank
+    raises (see :func:`save_checkpoint`), after rank 0 has removed the partial folder of a failed write."""
+    mine = None
+    if failure is not None:
+        usage = shutil.disk_usage(root)  # before the partial folder goes: the disk as the save met it
+        mine = (fabric.global_rank, _os_errno(failure, root), f"{type(failure).__name__}: {failure}", usage.free,
+                usage.total)
+    failures = [f for f in _gather(fabric, mine) if f is not None]
+    if not failures:
+        return
+    rank, code, text, free, total = failures[0]  # reported as the lowest failing rank saw it
+    if code is not None and fabric.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(root)
+    fabric.barrier()  # the partial folder is gone before any rank reports
+    if code is None:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"saving the checkpoint of step {step} in {root} failed on rank {rank}: {text}")
+    good = list_checkpoints(root)
+    where = f" (rank {rank})" if fabric.world_size > 1 else ""
+    raise told_elsewhere(CheckpointWriteError(code, (
+        f"{os.strerror(code)} while saving the checkpoint of step {step} in {root}{where}: {_bytes(free)} free "
+        f"there of {_bytes(total)}; the partial checkpoint was removed. The last good checkpoint is "
+        f"{good[-1][1] if good else 'none (none was written yet)'}")), fabric.global_rank != 0)
 
 
 @contextmanager
@@ -108,7 +222,8 @@ def save_state(fabric: Any, path: Path, state: dict[str, Any], sharded: bool = T
     of ranks: parameter and optimizer-state names are the bare model's (torch.distributed.checkpoint's
     state-dict API), and ``sharded`` (``checkpoint.state_dict_type: sharded``) writes a
     torch.distributed.checkpoint folder, each rank its own shards, with the counters in ``meta.pt``;
-    otherwise rank 0 writes one file of full tensors (gathered on the CPU)."""
+    otherwise rank 0 writes one file of full tensors (gathered on the CPU). No barrier at the end: the
+    caller's ranks agree on the outcome (a rank whose write failed must not wait alone at a barrier)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -124,7 +239,6 @@ def save_state(fabric: Any, path: Path, state: dict[str, Any], sharded: bool = T
     elif fabric.global_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_durably(path, {"model": model_sd, "optimizer": optim_sd, "trainer": state["trainer"]})
-    fabric.barrier()
 
 
 def _write_durably(path: Path, obj: Any) -> None:

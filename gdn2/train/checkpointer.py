@@ -29,17 +29,14 @@ class Checkpointer:
         c = self.recipe.checkpoint
         trainer = {"model": unwrap(self.model), "optimizer": unwrap(self.optimizer), "trainer": self.state.state_dict()}
         started = time.perf_counter()
-        try:
-            self.last = save_checkpoint(
-                self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
-                rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
-                config_yaml=self.recipe.to_yaml(),
-                info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last,
-                sharded=c.state_dict_type == "sharded")
-        except OSError as error:  # a full disk, most often: say what is safe
-            raise OSError(error.errno, f"{error.strerror or error} while saving the checkpoint of step "
-                                       f"{self.state.step} in {self.recipe.checkpoint_dir}; the last good checkpoint "
-                                       f"is {self.last or 'none (none was written yet)'}", error.filename) from error
+        # a full disk is one error on every rank that names the folder, its free space and the last good
+        # checkpoint (CheckpointWriteError)
+        self.last = save_checkpoint(
+            self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
+            rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
+            config_yaml=self.recipe.to_yaml(),
+            info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last,
+            sharded=c.state_dict_type == "sharded")
         if self.fabric.global_rank == 0:
             log.info("saved checkpoint %s in %.1f s", self.last, time.perf_counter() - started)
         return self.last

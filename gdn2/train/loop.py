@@ -20,6 +20,7 @@ import torch
 from gdn2.checkpoint.format import list_checkpoints
 from gdn2.checkpoint.resume import resolve_resume, resume_candidates, supersede_newer
 from gdn2.checkpoint.state import load_checkpoint, set_rng_state
+from gdn2.commandline import told_elsewhere
 from gdn2.data.loader import TrainLoader
 from gdn2.model import GPT, flops_per_token
 from gdn2.train.checkpointer import Checkpointer
@@ -30,8 +31,8 @@ from gdn2.train.peers import PeerWatch
 from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
-from gdn2.train.setup import (RunLock, build_fabric, build_model_and_optimizer, check_resume_compatible,
-                              check_vocabulary, prepare_default_corpus, setup_logging, write_run_info)
+from gdn2.train.setup import (build_fabric, build_model_and_optimizer, check_resume_compatible, check_vocabulary,
+                              lock_run_folders, prepare_default_corpus, setup_logging, write_run_info)
 from gdn2.train.slurm import SlurmJob, StopSignals, parse_duration, requeue
 from gdn2.train.validate import LmEvaluator, Validator
 
@@ -151,11 +152,10 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     setup_logging(fabric.global_rank)
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
     out_dir = Path(recipe.out_dir)
-    lock = RunLock(out_dir)
-    refusal = lock.acquire() if rank0 else None  # a second trainer on this folder stops here, every rank
+    locks, refusal = lock_run_folders(recipe) if rank0 else ([], None)  # a second trainer stops here, every rank
     refusal = fabric.broadcast(refusal, src=0) if fabric.world_size > 1 else refusal
     if refusal is not None:
-        raise ValueError(refusal)
+        raise told_elsewhere(ValueError(refusal), not rank0)  # rank 0 says it
     # a rank that dies or hangs ends every rank, with one line from one of them (gdn2.train.peers)
     peers = PeerWatch.start(fabric, recipe.checkpoint_dir, recipe.distributed.collective_timeout)
     # from here on SIGUSR1 / SIGTERM / SIGINT stop the run cleanly: one that comes while the model is built
@@ -172,7 +172,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
         raise
     finally:
         signals.restore()
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
 def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started: float, budget: Optional[float],

@@ -16,6 +16,7 @@ import torch
 
 from gdn2.checkpoint.format import read_checkpoint_config, read_marker
 from gdn2.data.shards import PackedShardReader, find_shards, read_manifest
+from gdn2.files import FolderLock
 from gdn2.float8 import check_device, float8_spec
 from gdn2.model import GPT, Block, flops_per_token
 from gdn2.options import ModelOptions, apply_options
@@ -167,24 +168,31 @@ DEFAULT_CORPUS = Path("data/default")
 
 
 def prepare_default_corpus(recipe: Recipe) -> None:
-    """Build the built-in corpus into ``data/default`` when the recipe reads it and it holds no shards.
+    """Build the built-in corpus into ``data/default`` when the recipe reads it and it is not finished
+    (its manifest and every shard it lists in place: shards alone may be those of a build still running).
+    Under the folder's lock, so a trainer that finds another process building it waits for that build.
     Any other folder without shards is an error naming it: a mistyped path is never filled."""
+    from gdn2.data_prep.default_corpus import build_default_corpus, finished_corpus
+
     folders = [s.path for s in recipe.train_sources()] + ([recipe.data.val] if recipe.data.val else [])
     for folder in dict.fromkeys(folders):
-        split = "val" if folder == recipe.data.val and folder not in [s.path for s in recipe.train_sources()] else "train"
+        if Path(folder) == DEFAULT_CORPUS or Path(folder).resolve() == DEFAULT_CORPUS.resolve():
+            try:
+                finished = finished_corpus(folder) is not None
+            except ValueError:  # damaged or not matching its manifest: the build redoes it
+                finished = False
+            if not finished:
+                log.info("building the built-in corpus in %s (python -m gdn2 corpus --output %s)", folder, folder)
+                build_default_corpus(folder)
+            continue
+        train_folders = [s.path for s in recipe.train_sources()]
+        split = "val" if folder == recipe.data.val and folder not in train_folders else "train"
         try:
             find_shards(folder, split=split)
-            continue
         except FileNotFoundError:
-            pass
-        if Path(folder) != DEFAULT_CORPUS and Path(folder).resolve() != DEFAULT_CORPUS.resolve():
             raise FileNotFoundError(
                 f"data.train / data.val: {folder} holds no {split}_*.bin shards; data.prepare_default builds only the "
-                f"built-in corpus in {DEFAULT_CORPUS} (prepare other data with python -m gdn2 prepare)")
-        from gdn2.data_prep.default_corpus import build_default_corpus
-
-        log.info("no shards in %s: building the built-in corpus (python -m gdn2 corpus --output %s)", folder, folder)
-        build_default_corpus(folder)
+                f"built-in corpus in {DEFAULT_CORPUS} (prepare other data with python -m gdn2 prepare)") from None
 
 
 def data_identity(source: str) -> dict[str, Any]:
@@ -269,44 +277,26 @@ def setup_logging(rank: int) -> None:
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-class RunLock:
-    """An exclusive lock on a run folder (``<run>/.lock``, held by rank 0 while it trains): a second
-    trainer on the same folder is refused instead of interleaving its metrics and checkpoints."""
-
-    def __init__(self, folder: Path) -> None:
-        self.path = Path(folder) / ".lock"
-        self._file = None
-
-    def acquire(self) -> Optional[str]:
-        """None when the lock is ours, else the refusal to report."""
-        import fcntl
-        import os
-        import socket
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            return (f"{self.path.parent} is in use by another trainer ({holder}); wait for it to finish, or train "
-                    "in another --out_dir")
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        self._file = f
-        return None
-
-    def release(self) -> None:
-        if self._file is not None:
-            import fcntl
-
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
-            self._file = None
+def lock_run_folders(recipe: Recipe) -> tuple[list[FolderLock], Optional[str]]:
+    """Lock the run folder and the checkpoint folder (``<folder>/.lock`` each; rank 0 holds them while it
+    trains), so that a second trainer on either is refused instead of interleaving its metrics with
+    this one's, resuming this one's checkpoints or removing its temporary ones. Returns the locks taken
+    and, when one is held elsewhere, the refusal to report (the locks taken so far are released)."""
+    out_dir, checkpoint_dir = Path(recipe.out_dir), Path(recipe.checkpoint_dir)
+    wanted = [(out_dir, "--out_dir")]
+    if checkpoint_dir.resolve() != out_dir.resolve():
+        wanted.append((checkpoint_dir, "--checkpoint.dir"))
+    taken: list[FolderLock] = []
+    for folder, flag in wanted:
+        lock = FolderLock(folder)
+        holder = lock.acquire()
+        if holder is not None:
+            for other in taken:
+                other.release()
+            return [], (f"{folder} is in use by another trainer ({holder}); wait for it to finish, or train with "
+                        f"another {flag}")
+        taken.append(lock)
+    return taken, None
 
 
 # Tokens read from each end of a shard that has no manifest to say which tokenizer made it.

@@ -1,7 +1,12 @@
 """gdn2/checkpoint/state.py: atomic checkpoints with real Fabric on CPU, saved and restored exactly, also from
 the earlier one-file format."""
 
+import errno
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +15,7 @@ import gdn2.checkpoint.state as checkpoint
 from checkpoint_helpers import Boom, make_fabric_model, save, train_a_step
 from gdn2.checkpoint.format import MARKER, list_checkpoints
 from gdn2.checkpoint.resume import resolve_resume
-from gdn2.checkpoint.state import load_checkpoint
+from gdn2.checkpoint.state import CheckpointWriteError, load_checkpoint
 from gdn2.train.fabric_api import unwrap
 
 
@@ -82,3 +87,45 @@ def test_a_one_file_checkpoint_of_the_earlier_format_still_resumes_on_one_device
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for p, e in zip(fresh.parameters(), expected):
         torch.testing.assert_close(fresh_opt.state[p]["exp_avg"], e, rtol=0, atol=0)
+
+
+# One checkpoint of the micro model with its optimizer moments (about 1.6 MB) fits, two do not.
+DISK_FOR_ONE_CHECKPOINT = "2500k"
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
+def test_a_full_disk_fails_the_save_naming_the_disk_and_the_last_good_checkpoint(small_disk, sharded):
+    fabric, model, optimizer = make_fabric_model()
+    train_a_step(model, optimizer)
+    root = small_disk(DISK_FOR_ONE_CHECKPOINT)
+    good = save(fabric, model, optimizer, root, 1, sharded=sharded, keep_last=5)
+    with pytest.raises(CheckpointWriteError) as caught:
+        save(fabric, model, optimizer, root, 2, sharded=sharded, keep_last=5)
+    assert caught.value.errno == errno.ENOSPC
+    assert re.fullmatch(rf"No space left on device while saving the checkpoint of step 2 in {root}: [\d.]+ K?i?B "
+                        rf"free there of 2\.4 MiB; the partial checkpoint was removed\. The last good checkpoint is "
+                        rf"{good}", str(caught.value))
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000001"]  # the partial one is gone
+    assert resolve_resume("auto", root) == good
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_two_ranks_fails_the_save_on_both_alike(small_disk, tmp_path):
+    disks = {"sharded": small_disk(DISK_FOR_ONE_CHECKPOINT), "full": small_disk(DISK_FOR_ONE_CHECKPOINT)}
+    report = tmp_path / "report"
+    script = Path(__file__).with_name("full_disk_ranks.py")
+    done = subprocess.run([sys.executable, str(script), str(disks["sharded"]), str(disks["full"]), str(report)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    ranks = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in (0, 1)]
+    for name, root in disks.items():
+        outcomes = [rank[name] for rank in ranks]
+        assert [outcome.pop("printed") for outcome in outcomes] == [True, False]  # rank 0 says it, once
+        assert outcomes[0] == outcomes[1], name  # every rank saw the same save fail with the same message
+        outcome = outcomes[0]
+        assert outcome["saved"] == [1] and outcome["complete"] == [1] and outcome["error"]["errno"] == errno.ENOSPC
+        message = outcome["error"]["message"]
+        assert message.startswith(f"No space left on device while saving the checkpoint of step 2 in {root} (rank ")
+        assert "free there of 2.4 MiB" in message
+        assert message.endswith(f"The last good checkpoint is {root}/step-000000001")
+        assert outcome["entries"] == ["step-000000001"]  # the partial one is gone

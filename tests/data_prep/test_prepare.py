@@ -4,7 +4,9 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -163,7 +165,8 @@ def test_resume_after_a_crash_between_shard_writes_and_journal(corpus, reference
     assert shard_files(tmp_path) == shard_files(reference[0])
 
 
-def test_resume_after_sigkill_of_the_cli(tokenizer_model, sp, tmp_path, make_documents, write_fineweb_parquet):
+def _hundred_unit_job(tmp_path, tokenizer_model, make_documents, write_fineweb_parquet):
+    """(command line of a 2-worker ``gdn2 prepare`` of 100 work units into ``tmp_path/out``, its documents)."""
     documents = make_documents(400, seed=11)
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -172,28 +175,125 @@ def test_resume_after_sigkill_of_the_cli(tokenizer_model, sp, tmp_path, make_doc
     command = [sys.executable, "-m", "gdn2", "prepare", "--input", str(inputs / "*.parquet"),
                "--tokenizer", str(tokenizer_model), "--output", str(tmp_path / "out"), "--workers", "2",
                "--val-fraction", str(VAL_FRACTION), "--shard-tokens", str(SHARD_TOKENS), "--quiet"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    journal = tmp_path / "out" / prep.JOURNAL_NAME
-    deadline = time.monotonic() + 60
+    return command, documents
+
+
+def _units_done_reach(process, out, count, timeout=60.0):
+    """Wait until the job's journal records ``count`` units done (or the process ends); the units done."""
+    deadline = time.monotonic() + timeout
     units_done = 0
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            units_done = json.loads(journal.read_text())["units_done"]
+            units_done = json.loads((out / prep.JOURNAL_NAME).read_text())["units_done"]
         except (FileNotFoundError, json.JSONDecodeError):
             pass
-        if units_done >= 3:
+        if units_done >= count:
             break
         time.sleep(0.005)
+    return units_done
+
+
+def _assert_streams(out, documents, sp):
+    expected = expected_streams(documents, sp)
+    for split in ("train", "val"):
+        stream = np.concatenate([read_litpkds(p)[1] for p in sorted(out.glob(f"{split}_*.bin"))])
+        assert stream.tolist() == expected[split]
+
+
+def test_resume_after_sigkill_of_the_cli(tokenizer_model, sp, tmp_path, make_documents, write_fineweb_parquet):
+    command, documents = _hundred_unit_job(tmp_path, tokenizer_model, make_documents, write_fineweb_parquet)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    units_done = _units_done_reach(process, tmp_path / "out", 3)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert 3 <= units_done < 100, "the job was not interrupted mid-way"
     assert not (tmp_path / "out" / "manifest.json").exists()
     finished = subprocess.run(command, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
-    expected = expected_streams(documents, sp)
-    for split in ("train", "val"):
-        stream = np.concatenate([read_litpkds(p)[1] for p in sorted((tmp_path / "out").glob(f"{split}_*.bin"))])
-        assert stream.tolist() == expected[split]
+    _assert_streams(tmp_path / "out", documents, sp)
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_sigterm_stop_with_one_line_and_the_rerun_continues(tokenizer_model, sp, tmp_path, make_documents,
+                                                                      write_fineweb_parquet):
+    command, documents = _hundred_unit_job(tmp_path, tokenizer_model, make_documents, write_fineweb_parquet)
+    out = tmp_path / "out"
+    # Ctrl-C in a terminal: SIGINT to the whole process group, workers included; SIGTERM: to the job alone
+    for signum, to_group, reached in ((signal.SIGINT, True, 3), (signal.SIGTERM, False, 6)):
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        units_done = _units_done_reach(process, out, reached)
+        (os.killpg if to_group else os.kill)(process.pid, signum)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 128 + signum, stderr
+        kept = json.loads((out / prep.JOURNAL_NAME).read_text())["units_done"]  # the journal is whole
+        assert reached <= units_done <= kept < 100, "the job was not interrupted mid-way"
+        assert stderr == (f"gdn2 prepare: {out}: stopped by {signal.Signals(signum).name} after {kept} of 100 work "
+                          "units; rerun the same command to continue\n")  # and no worker's traceback
+        assert not (out / prep.TMP_DIR_NAME).exists()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    _assert_streams(out, documents, sp)
+
+
+def test_a_second_run_on_one_output_is_refused_naming_the_first(tokenizer_model, sp, tmp_path, make_documents,
+                                                                 write_fineweb_parquet):
+    command, documents = _hundred_unit_job(tmp_path, tokenizer_model, make_documents, write_fineweb_parquet)
+    out = tmp_path / "out"
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _units_done_reach(first, out, 1) >= 1
+        os.kill(first.pid, signal.SIGSTOP)  # mid-way, holding the lock
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 2
+    assert re.fullmatch(rf"gdn2 prepare: error: --output: {out} is in use by another prepare run \(pid {first.pid} on "
+                        rf"{socket.gethostname()} since [-\d: ]+\); wait for it to finish, or use another --output "
+                        r"\(--debug shows the traceback\)\n", second.stderr)
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    _assert_streams(out, documents, sp)  # the first run's output, untouched by the second
+
+
+def test_a_rerun_on_a_finished_output_checks_its_shards_against_the_manifest(corpus, tokenizer_model, tmp_path):
+    root, _ = corpus
+    args = ([str(root / "part_0.parquet")], tokenizer_model, tmp_path)
+    prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    manifest_path = tmp_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    held = manifest["tokens"]["train"]
+    claims = dict(manifest, tokens=dict(manifest["tokens"], train=held + 1234))
+    manifest_path.write_text(json.dumps(claims))
+    with pytest.raises(ValueError, match=rf"manifest.json: claims {held + 1234:,} train tokens, its shards hold "
+                                         rf"{held:,}; .* rerun with --overwrite"):
+        prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    manifest_path.write_text(json.dumps(manifest))
+    stray = tmp_path / "train_0000000042.bin"
+    stray.write_bytes((tmp_path / "train_0000000000.bin").read_bytes())  # a loader would read it too
+    with pytest.raises(ValueError, match=r"train_0000000042.bin: a shard that .*manifest.json does not list"):
+        prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    stray.unlink()
+    assert prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False) == manifest
+
+
+def test_a_damaged_manifest_or_journal_is_one_line_naming_it(corpus, tokenizer_model, tmp_path, capsys):
+    from gdn2.commandline import run
+
+    root, _ = corpus
+    argv = ["--input", str(root / "part_0.parquet"), "--tokenizer", str(tokenizer_model), "--output", str(tmp_path),
+            "--workers", "1", "--shard_tokens", str(SHARD_TOKENS), "--quiet"]
+    assert run(prep.main, argv, "gdn2 prepare") == 0
+    manifest = tmp_path / "manifest.json"
+    for damage, expected in ((b'{"fingerprint": "', "not a readable manifest"),
+                             (b'{"fingerprint": "x", "tokens": 5}', "damaged manifest")):
+        manifest.write_bytes(damage)
+        capsys.readouterr()
+        assert run(prep.main, argv, "gdn2 prepare") == 2
+        assert capsys.readouterr().err.startswith(f"gdn2 prepare: error: {manifest}: {expected} (")
+    manifest.unlink()
+    (tmp_path / prep.JOURNAL_NAME).write_bytes(b"\x00\x00")  # as after a disk fault
+    assert run(prep.main, argv, "gdn2 prepare") == 2
+    assert capsys.readouterr().err.startswith(f"gdn2 prepare: error: {tmp_path / prep.JOURNAL_NAME}: damaged journal (")
 
 
 def _write_jsonl(path, records, opener=open):
@@ -279,9 +379,9 @@ def test_finished_output_is_a_no_op_and_other_jobs_are_refused(corpus, tokenizer
     root, _ = corpus
     args = ([str(root / "part_0.parquet")], tokenizer_model, tmp_path)
     first = prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
-    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != prep.LOCK_NAME}
     assert prep.prepare(*args, workers=1, shard_tokens=SHARD_TOKENS, progress=False) == first
-    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != prep.LOCK_NAME} == stamps
     with pytest.raises(ValueError, match="finished dataset"):
         prep.prepare(*args, shard_tokens=SHARD_TOKENS * 2, progress=False)
     again = prep.prepare(*args, shard_tokens=SHARD_TOKENS * 2, overwrite=True, progress=False)

@@ -1,21 +1,26 @@
 """Faults that must neither lose nor corrupt a run: resuming an older checkpoint, damaged checkpoints,
-a mistyped data folder, token ids beyond the vocabulary, two trainers on one folder, a save that cannot
-use the temporary directory, a full disk."""
+a mistyped data folder, token ids beyond the vocabulary, two trainers on one run or checkpoint folder, a
+trainer that finds the built-in corpus being built, a save that cannot use the temporary directory, a
+full disk."""
 
 import errno
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-import torch
 
 import gdn2.checkpoint.format as checkpoint
 from gdn2.data.shards import write_shard
 from gdn2.checkpoint.consolidate import main as consolidate_main
 from gdn2.checkpoint.format import CorruptCheckpointError, list_checkpoints
+from gdn2.commandline import run
+from gdn2.files import FolderLock
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
@@ -117,9 +122,7 @@ def test_token_ids_beyond_the_vocabulary_name_the_data(corpus, tmp_path):
 def test_a_second_trainer_on_the_same_folder_is_refused(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=6))
     out = tmp_path / "run"
-    from gdn2.train.setup import RunLock
-
-    lock = RunLock(out)
+    lock = FolderLock(out)
     assert lock.acquire() is None
     try:
         proc = subprocess.run([sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", str(cfg), "--out_dir",
@@ -145,20 +148,33 @@ def test_save_writes_in_place_without_the_temporary_directory(corpus, tmp_path, 
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [1, 2] and result.step == 2
 
 
-def test_a_full_disk_during_a_save_names_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
-    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4), checkpoint=dict(interval=2))
-    real = torch.save
+def test_a_second_trainer_sharing_the_checkpoint_folder_is_refused(corpus, tmp_path):
+    shared = tmp_path / "shared_checkpoints"
+    first = FolderLock(shared)  # what the trainer that uses it holds
+    assert first.acquire() is None
+    try:
+        cfg = micro_config(corpus, tmp_path, train=dict(max_steps=2), checkpoint=dict(dir=str(shared), interval=1))
+        with pytest.raises(ValueError, match=rf"{shared} is in use by another trainer \(pid {os.getpid()} on .*\); "
+                                             r"wait for it to finish, or train with another --checkpoint.dir"):
+            run_fit(cfg, tmp_path / "second_run", resume="auto")
+    finally:
+        first.release()
+    assert list_checkpoints(shared) == [] and not (tmp_path / "second_run" / "metrics.jsonl").exists()
 
-    def fill_up(obj, f, *args, **kwargs):
-        if "step-000000004" in str(getattr(f, "name", f)):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", fill_up)
-    with pytest.raises(OSError, match=r"No space left on device while saving the checkpoint of step 4 .* the last "
-                                      r"good checkpoint is .*step-000000002"):
-        run_fit(cfg, tmp_path / "run")
-    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+def test_a_full_disk_during_a_save_is_one_line_naming_the_disk_and_the_last_good_checkpoint(corpus, tmp_path,
+                                                                                             small_disk, capsys):
+    disk = small_disk("2500k")  # one checkpoint of the micro model (about 1.6 MB) fits, two do not
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=4),
+                       checkpoint=dict(interval=2, keep_last=5, dir=str(disk / "checkpoints")))
+    capsys.readouterr()
+    assert run(lambda argv: run_fit(cfg, tmp_path / "run"), [], prog="gdn2 pretrain") == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert line.startswith(f"gdn2 pretrain: error: No space left on device while saving the checkpoint of step 4 in "
+                           f"{disk / 'checkpoints'}: ")
+    assert "free there of 2.4 MiB" in line
+    assert line.endswith(f"last good checkpoint is {disk / 'checkpoints' / 'step-000000002'} (--debug shows the traceback)")
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == [".lock", "step-000000002"]  # no partial one
 
 
 def test_a_damaged_consolidated_model_is_named_when_loaded(saved_run):
@@ -170,3 +186,56 @@ def test_a_damaged_consolidated_model_is_named_when_loaded(saved_run):
     flip_a_byte(out / "final" / "model.pt")
     with pytest.raises(CorruptCheckpointError, match=r"final/model.pt: content differs from the sha256"):
         load_model(out / "final" / "model.pt")
+
+
+def _read_lines_into(stream, lines: list) -> None:
+    for line in stream:
+        lines.append(line)
+
+
+@pytest.mark.slow
+def test_a_trainer_waits_for_the_builtin_corpus_another_process_is_building(corpus, tmp_path):
+    """A trainer starting while another process builds ``data/default`` (a fresh clone, two jobs) waits for
+    that build and takes its finished corpus: it neither builds beside it nor reads its half-made files."""
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    builder = subprocess.Popen([sys.executable, "-m", "gdn2", "corpus", "--output", "data/default", "--vocab_size",
+                                "512", "--max_bytes", "200000", "--workers", "1", "--quiet"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock_file = tmp_path / "data" / "default" / ".corpus.lock"
+    trainer = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and f"pid {builder.pid} " not in (
+                lock_file.read_text() if lock_file.exists() else ""):
+            time.sleep(0.01)
+        os.kill(builder.pid, signal.SIGSTOP)  # holds the lock, its corpus unfinished
+        cfg = micro_config(corpus, tmp_path, data=dict(train=["data/default"], val="data/default",
+                                                       prepare_default=True))
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", "from gdn2.train.recipe import load_recipe\n"
+             "from gdn2.train.setup import prepare_default_corpus, setup_logging\n"
+             f"setup_logging(0)\nprepare_default_corpus(load_recipe({str(cfg)!r}, {{}}, out_dir='run'))\n"],
+            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+        said: list[str] = []
+        threading.Thread(target=_read_lines_into, args=(trainer.stderr, said), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("waiting for it to finish" in line for line in said):
+            time.sleep(0.05)
+        waiting = [line for line in said if "waiting for it to finish" in line]
+        assert waiting and f"pid {builder.pid} on " in waiting[0], "".join(said)
+        assert trainer.poll() is None  # still waiting
+        os.kill(builder.pid, signal.SIGCONT)
+        assert builder.wait(timeout=120) == 0, builder.stderr.read()
+        assert trainer.wait(timeout=120) == 0, "".join(said)
+    finally:
+        for process in (builder, trainer):
+            if process is not None and process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.kill()
+                process.wait()
+    assert any("data/default: already complete" in line for line in said), "".join(said)  # the builder's corpus
+    from gdn2.data_prep.default_corpus import finished_corpus
+
+    assert finished_corpus(tmp_path / "data" / "default")["tokenizer"]["vocab_size"] == 512
