@@ -51,8 +51,14 @@ def step_gemms(config, tokens: int) -> Counter:
     for i in range(c.n_layer):
         if c.is_gdn2_layer(i):
             kd, vd, r = c.gdn2_key_dim, c.gdn2_value_dim, c.gdn2_gate_rank
-            shapes[(c.n_embd, 2 * kd + vd + r + kd + vd + r)] += 1  # q k v, decay low rank, erase, write, gate low rank
-            shapes[(r, kd)] += 1  # decay up
+            # a gate per head is its own GEMM (as train.float8 runs it: exempt, out of the float8 group)
+            gates = [(c.gdn2_erase_units, c.gdn2_erase == "channel"), (c.gdn2_write_units, c.gdn2_write == "channel")]
+            per_channel = sum(units for units, channel in gates if channel)
+            shapes[(c.n_embd, 2 * kd + vd + r + per_channel + r)] += 1  # q k v, decay low rank, gates, gate low rank
+            for units, channel in gates:
+                if units and not channel:
+                    shapes[(c.n_embd, units)] += 1
+            shapes[(r, c.gdn2_decay_units)] += 1  # decay up
             shapes[(r, vd)] += 1  # output gate up
             shapes[(vd, c.n_embd)] += 1  # o_proj
         else:

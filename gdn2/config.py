@@ -21,6 +21,9 @@ import yaml
 # The largest head dimension the Triton kernels take (GDN-2 key and value heads, attention heads).
 MAX_HEAD_DIM = 256
 
+# How finely a GDN-2 gate varies: one value per channel, or one per head broadcast over its channels.
+GATE_GRANULARITIES = ("channel", "head")
+
 # The named configs that ship with the package (the checkout's configs/ folder, installed as gdn2.configs).
 PACKAGE_CONFIGS = Path(str(importlib.resources.files("gdn2.configs")))
 
@@ -166,6 +169,12 @@ class Config:
     gdn2_conv_size: int = 4
     gdn2_gate_rank: int = 128  # hidden size of the low-rank decay and output-gate projections
     allow_neg_eigval: bool = False
+    # gate granularity: "channel" (one value per key / value channel) or "head" (one per head, broadcast
+    # over its channels); tied: one per-head gate serves as both erase and write gate (KDA, Gated DeltaNet)
+    gdn2_decay: str = "channel"
+    gdn2_erase: str = "channel"
+    gdn2_write: str = "channel"
+    gdn2_tied_gates: bool = False
     # inference: GDN-2 layers use the recurrent kernel for inputs up to this many tokens
     gdn2_recurrent_max_len: int = 64
 
@@ -203,6 +212,13 @@ class Config:
              f"times gdn2_head_dim must be a positive integer, got {v_dim}")
         need(v_dim <= MAX_HEAD_DIM, "gdn2_expand_v",
              f"times gdn2_head_dim must be at most {MAX_HEAD_DIM} (the GDN-2 kernels' largest value head), got {v_dim}")
+        for key in ("gdn2_decay", "gdn2_erase", "gdn2_write"):
+            need(getattr(self, key) in GATE_GRANULARITIES, key,
+                 f"must be one of {', '.join(GATE_GRANULARITIES)}, got {getattr(self, key)!r}")
+        need(not self.gdn2_tied_gates or self.gdn2_erase == self.gdn2_write == "head", "gdn2_tied_gates",
+             f"needs gdn2_erase: head and gdn2_write: head (one gate per head serves as both; per channel they "
+             f"cannot be one gate, the erase gate being over key channels and the write gate over value "
+             f"channels), got gdn2_erase: {self.gdn2_erase}, gdn2_write: {self.gdn2_write}")
 
     # derived sizes -------------------------------------------------------------------------------
     @property
@@ -216,6 +232,26 @@ class Config:
     @property
     def gdn2_value_dim(self) -> int:
         return self.gdn2_num_v_heads * self.gdn2_head_v_dim
+
+    @property
+    def gdn2_decay_units(self) -> int:
+        """Outputs of the decay's projection: one per key channel, or one per (key) head."""
+        return self.gdn2_key_dim if self.gdn2_decay == "channel" else self.gdn2_num_heads
+
+    @property
+    def gdn2_erase_units(self) -> int:
+        """Outputs of the erase gate's projection: one per key channel or per key head; a tied gate has one
+        per value head (it is also the write gate)."""
+        if self.gdn2_tied_gates:
+            return self.gdn2_num_v_heads
+        return self.gdn2_key_dim if self.gdn2_erase == "channel" else self.gdn2_num_heads
+
+    @property
+    def gdn2_write_units(self) -> int:
+        """Outputs of the write gate's projection: one per value channel or per value head; none when tied."""
+        if self.gdn2_tied_gates:
+            return 0
+        return self.gdn2_value_dim if self.gdn2_write == "channel" else self.gdn2_num_v_heads
 
     def is_gdn2_layer(self, i: int) -> bool:
         return self.gdn2_per_layer > 0 and i % self.gdn2_per_layer == 0

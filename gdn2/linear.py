@@ -102,8 +102,8 @@ class _GroupedLinear(torch.autograd.Function):
 
 def grouped_linear(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
     """``cat([lin(x) for lin in linears], -1)`` (bias-free linears) as one GEMM over their stacked
-    weights, a float8 one where the first linear's ``float8`` spec is set (all of a group read the same
-    input, so :func:`gdn2.options.apply_options` marks all or none)."""
+    weights, a float8 one where the first linear's ``float8`` spec is set (:func:`project` groups only
+    linears of one spec)."""
     if any(lin.bias is not None for lin in linears):
         raise ValueError("grouped projections take bias-free linears")
     weights = [lin.weight for lin in linears]
@@ -115,7 +115,18 @@ def grouped_linear(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> torch
 
 def project(x: torch.Tensor, linears: Sequence[torch.nn.Linear], grouped: bool) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]``; with ``grouped`` (bias-free linears, the layers'
-    ``grouped_projections``), :func:`grouped_linear`'s output split into views."""
+    ``grouped_projections``), one :func:`grouped_linear` per float8 spec among them (one GEMM when they
+    share it, as they do without float8; under float8 the projections a layer exempts, such as a gate per
+    head of a few columns, get a GEMM of their own), split into views in the order given."""
     if not grouped or len(linears) == 1:
         return [lin(x) for lin in linears]
-    return list(grouped_linear(x, linears).split([lin.weight.shape[0] for lin in linears], dim=-1))
+    by_spec: dict[int, list[int]] = {}
+    for i, lin in enumerate(linears):
+        by_spec.setdefault(id(getattr(lin, "float8", None)), []).append(i)
+    outs: list = [None] * len(linears)
+    for members in by_spec.values():
+        group = [linears[i] for i in members]
+        y = grouped_linear(x, group) if len(group) > 1 else group[0](x)
+        for i, part in zip(members, y.split([lin.weight.shape[0] for lin in group], dim=-1)):
+            outs[i] = part
+    return outs

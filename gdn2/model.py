@@ -186,8 +186,10 @@ def flops_per_token(config: Config, seq_len: int) -> float:
     attn_w = d * (c.n_head + 2 * c.n_query_groups) * c.head_size + c.n_head * c.head_size * d
     K, V, H, HV = c.gdn2_head_dim, c.gdn2_head_v_dim, c.gdn2_num_heads, c.gdn2_num_v_heads
     r = c.gdn2_gate_rank
-    gdn_w = (d * (2 * H * K + HV * V) + d * r + r * H * K + d * H * K + d * HV * V + d * r + r * HV * V
-             + HV * V * d)
+    # q, k, v; the decay (low rank); the erase and write gates (per channel, per head, or one tied);
+    # the output gate (low rank); the output projection
+    gdn_w = (d * (2 * H * K + HV * V) + d * r + r * c.gdn2_decay_units + d * (c.gdn2_erase_units + c.gdn2_write_units)
+             + d * r + r * HV * V + HV * V * d)
     mlp_w = 3 * d * c.intermediate_size
     W = seq_len if c.sliding_window is None else min(c.sliding_window, seq_len)
     # mean over queries of min(i + 1, W)

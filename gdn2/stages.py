@@ -106,22 +106,29 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 causal_conv_silu = fusable(short_conv_silu_reference)
 
 
-def decay_rate(A_log: torch.Tensor, head_k_dim: int) -> torch.Tensor:
-    """``-exp(A_log)`` per key channel (fp32): each head's rate repeated over its ``head_k_dim`` channels."""
-    return -A_log.float().exp().repeat_interleave(head_k_dim)
+def decay_rate(A_log: torch.Tensor, units_per_head: int) -> torch.Tensor:
+    """``-exp(A_log)`` per decay unit (fp32): each head's rate repeated over its ``units_per_head`` units
+    (its key channels, or 1 for a decay per head)."""
+    return -A_log.float().exp().repeat_interleave(units_per_head)
 
 
 @fusable
-def gdn2_gates(f: torch.Tensor, b: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               head_k_dim: int, b_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GDN-2 gates from their projections: decay ``g = -exp(A_log) * softplus(f + dt_bias)`` (fp32,
-    A_log per head repeated over its ``head_k_dim`` key channels), erase gate ``b_scale * sigmoid(b)``
-    and write gate ``sigmoid(w)``."""
-    g = decay_rate(A_log, head_k_dim) * F.softplus(f.float() + dt_bias)
+def gdn2_gates(f: torch.Tensor, b: torch.Tensor, w: Optional[torch.Tensor], A_log: torch.Tensor,
+               dt_bias: torch.Tensor, b_scale: float, spans: tuple[int, int, int] = (1, 1, 1)
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN-2 gates from their projections: decay ``g = -exp(A_log) * softplus(f + dt_bias)`` (fp32; f and
+    dt_bias [..., U] with U a multiple of A_log's H heads, each head's rate over its U / H units), erase
+    gate ``b_scale * sigmoid(b)`` and write gate ``sigmoid(w)``; ``w`` None (tied gates): the write gate
+    is the erase gate, ``b_scale`` included. ``spans``: how many channels each value of g, b and w covers
+    (1 per channel; the head dim for a gate per head, repeated over its head's channels here, since the
+    operator takes a value per channel). Returns g, b, w, each of its last axis times its span."""
+    g = decay_rate(A_log, f.shape[-1] // A_log.shape[0]) * F.softplus(f.float() + dt_bias)
     b = torch.sigmoid(b)
     if b_scale != 1.0:
         b = b * b_scale
-    return g, b, torch.sigmoid(w)
+    w = b if w is None else torch.sigmoid(w)
+    return tuple(t if span == 1 else t.repeat_interleave(span, dim=-1)  # type: ignore[return-value]
+                 for t, span in zip((g, b, w), spans))
 
 
 @fusable

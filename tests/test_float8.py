@@ -1,6 +1,6 @@
 """train.float8: the blocks' projections through torchao's float8 GEMMs (emulated here, on the CPU:
-the same casts and scales in ordinary matmuls), close to the full-precision model, the head and the
-low-rank gate projections left as they were; bad settings named by their key."""
+the same casts and scales in ordinary matmuls), close to the full-precision model, the head, the
+low-rank gate projections and the gates per head left as they were; bad settings named by their key."""
 
 import pytest
 import torch
@@ -53,6 +53,22 @@ def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections
 
     apply_options(model, ModelOptions(fused_loss=True, grouped_projections=grouped))
     assert _loss_and_grads(model, idx)[0] == ref_loss
+
+
+def test_gates_per_head_stay_out_of_float8_in_a_gemm_of_their_own():
+    """A gate per head (a GEMM of a few columns) is exempt; the grouped input projections then run as
+    one float8 GEMM and one for the exempt gate, which gives that gate exactly its plain projection."""
+    from gdn2.linear import project
+
+    model = GPT(Config.from_name("kda_tiny")).train()
+    apply_options(model, ModelOptions(grouped_projections=True, float8=float8_spec("tensorwise", emulate=True)))
+    gdn = model.transformer.h[0].mixer
+    linears = [gdn.q_proj, gdn.k_proj, gdn.b_proj, gdn.f_proj[0]]
+    assert gdn.b_proj.float8 is None and all(lin.float8 is not None for lin in linears if lin is not gdn.b_proj)
+    x = torch.randn(2, 5, model.config.n_embd)
+    q, _, b, _ = project(x, linears, grouped=True)
+    assert torch.equal(b, torch.nn.functional.linear(x, gdn.b_proj.weight))
+    assert not torch.equal(q, torch.nn.functional.linear(x, gdn.q_proj.weight))  # float8 there
 
 
 def test_bad_float8_settings_are_named():

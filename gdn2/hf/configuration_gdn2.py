@@ -11,7 +11,9 @@ class GDN2Config(PretrainedConfig):
     """A GPT whose token mixers are Gated DeltaNet-2 layers and (sliding-window) attention layers.
 
     Layer ``i`` is GDN-2 when ``gdn2_per_layer > 0 and i % gdn2_per_layer == 0``, else attention over
-    the last ``sliding_window`` keys (the query included), or full causal when it is None.
+    the last ``sliding_window`` keys (the query included), or full causal when it is None. The GDN-2
+    gates vary per channel or per head (``gdn2_decay``, ``gdn2_erase``, ``gdn2_write``: "channel" or
+    "head"); ``gdn2_tied_gates``: one gate per value head serves as erase and write gate.
     """
 
     model_type = "gdn2"
@@ -23,6 +25,7 @@ class GDN2Config(PretrainedConfig):
                  head_size=None, sliding_window=2048, rope_base=10000.0, intermediate_size=6784, norm_eps=1e-5,
                  gdn2_per_layer=2, gdn2_num_heads=16, gdn2_head_dim=128, gdn2_num_v_heads=None, gdn2_expand_v=1.0,
                  gdn2_conv_size=4, gdn2_gate_rank=128, allow_neg_eigval=False, gdn2_recurrent_max_len=64,
+                 gdn2_decay="channel", gdn2_erase="channel", gdn2_write="channel", gdn2_tied_gates=False,
                  gdn2_name="custom", use_cache=True, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                  **kwargs):
         self.block_size = block_size
@@ -45,6 +48,10 @@ class GDN2Config(PretrainedConfig):
         self.gdn2_gate_rank = gdn2_gate_rank
         self.allow_neg_eigval = allow_neg_eigval
         self.gdn2_recurrent_max_len = gdn2_recurrent_max_len
+        self.gdn2_decay = gdn2_decay
+        self.gdn2_erase = gdn2_erase
+        self.gdn2_write = gdn2_write
+        self.gdn2_tied_gates = gdn2_tied_gates
         self.gdn2_name = gdn2_name
         self.use_cache = use_cache
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,

@@ -9,6 +9,10 @@ Math (per GDN-2 head, state ``S`` [K, V] in fp32, q and k L2-normalised, ``scale
 
     S <- Diag(exp(g_t)) S;  u_t = w_t * v_t - S^T (b_t * k_t);  S <- S + k_t u_t^T;  o_t = scale * S^T q_t
 
+A gate "per head" (``gdn2_decay`` / ``gdn2_erase`` / ``gdn2_write``: "head") is one value per head
+repeated over the head's channels; tied gates (``gdn2_tied_gates``) are one projection per value head
+whose gate is both b and w (doubled with ``allow_neg_eigval``, both of them).
+
 Decoding keeps a real recurrent cache (:class:`GDN2InferenceCache`): the GDN-2 states, the short
 convolutions' last inputs, and the keys and values of the attention layers (the last ``window`` of
 them with a sliding window), so cached decoding gives the logits of uncached decoding. Left padding
@@ -184,6 +188,12 @@ class GatedDeltaNet2(nn.Module):
         self.H, self.HV, self.K, self.V = c.gdn2_num_heads, c.gdn2_num_v_heads, c.gdn2_head_dim, c.gdn2_head_v_dim
         self.key_dim, self.value_dim, self.conv_size = self.H * self.K, self.HV * self.V, c.gdn2_conv_size
         self.b_scale = 2.0 if c.allow_neg_eigval else 1.0
+        self.tied = c.gdn2_tied_gates
+        decay_head, erase_head, write_head = (c.gdn2_decay == "head", c.gdn2_erase == "head", c.gdn2_write == "head")
+        # channels each value of g, b and w covers: 1 per channel, the head dim per head
+        self.spans = (self.K if decay_head else 1, self.K if erase_head else 1, self.V if write_head else 1)
+        decay_units = self.H if decay_head else self.key_dim
+        erase_units = self.HV if self.tied else self.H if erase_head else self.key_dim
         d, r = c.n_embd, c.gdn2_gate_rank
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
@@ -191,11 +201,12 @@ class GatedDeltaNet2(nn.Module):
         self.q_conv1d = nn.Conv1d(self.key_dim, self.key_dim, self.conv_size, groups=self.key_dim, bias=False)
         self.k_conv1d = nn.Conv1d(self.key_dim, self.key_dim, self.conv_size, groups=self.key_dim, bias=False)
         self.v_conv1d = nn.Conv1d(self.value_dim, self.value_dim, self.conv_size, groups=self.value_dim, bias=False)
-        self.f_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, self.key_dim, bias=False))
-        self.b_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.w_proj = nn.Linear(d, self.value_dim, bias=False)
+        self.f_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, decay_units, bias=False))
+        self.b_proj = nn.Linear(d, erase_units, bias=False)
+        if not self.tied:
+            self.w_proj = nn.Linear(d, self.HV if write_head else self.value_dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.zeros(self.key_dim, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(decay_units, dtype=torch.float32))
         self.g_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, self.value_dim, bias=True))
         self.o_norm = GatedRMSNorm(self.V, c.norm_eps)
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
@@ -215,12 +226,15 @@ class GatedDeltaNet2(nn.Module):
             if cache is not None:
                 cache[name] = torch.cat([tail.to(pre.dtype), pre], dim=1)[:, -(self.conv_size - 1):]
         q, k, v = convs
-        decay = -self.A_log.float().exp().repeat_interleave(K)
+        decay = -self.A_log.float().exp().repeat_interleave(self.dt_bias.shape[0] // H)
         g = decay * F.softplus(self.f_proj(x).float() + self.dt_bias) * valid[..., None]  # no decay when padded
         b = torch.sigmoid(self.b_proj(x)) * self.b_scale
-        w = torch.sigmoid(self.w_proj(x))
+        w = b if self.tied else torch.sigmoid(self.w_proj(x))
+        # a gate per head covers its head's channels
+        g, b, w = (t if span == 1 else t.repeat_interleave(span, dim=-1) for t, span in zip((g, b, w), self.spans))
         k = k * mask  # and no write: the state is left as it was
-        q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
+        q, k, g = (t.reshape(B, T, H, K) for t in (q, k, g))
+        b = b.reshape(B, T, -1, K)  # H heads, or HV for a tied gate
         v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
         state = cache.get("state") if cache is not None else None
         if _kernels_for(x):
@@ -228,8 +242,8 @@ class GatedDeltaNet2(nn.Module):
                                    use_qk_l2norm_in_kernel=True)
         else:
             compute = torch.float64 if v.dtype == torch.float64 else torch.float32
-            rep = HV // H
-            qe, ke, ge, be = (t.repeat_interleave(rep, dim=2).to(compute) for t in (_l2norm(q), _l2norm(k), g, b))
+            qe, ke, ge, be = (t.repeat_interleave(HV // t.shape[2], dim=2).to(compute)
+                              for t in (_l2norm(q), _l2norm(k), g, b))
             if state is None:
                 state = torch.zeros(B, HV, K, V, dtype=compute, device=x.device)
             o, final = _recurrence(qe, ke, v.to(compute), ge, be, w.to(compute), state.to(compute))

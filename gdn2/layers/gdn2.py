@@ -4,6 +4,12 @@ x -> q, k, v (full-rank, causal depthwise conv k=4 + SiLU), channel-wise decay g
 erase gate b (key axis) and write gate w (value axis) -> GDN-2 operator (q, k L2-normalised inside) ->
 per-head RMSNorm gated by silu(low-rank gate) -> output projection. No positional encoding.
 
+Gate granularity (``Config.gdn2_decay`` / ``gdn2_erase`` / ``gdn2_write``, ``gdn2_tied_gates``): a gate
+"per head" is a projection to one value per head, repeated over the head's channels before the operator
+(the same operator). Tied gates are one projection per value head whose gate is both b and w (KDA with a
+channel decay, Gated DeltaNet with a decay per head too); ``allow_neg_eigval`` then doubles that shared
+gate, ``b = w = 2 sigmoid(.)``, as Gated DeltaNet's doubled beta scales both its erase and its write.
+
 The layer owns its decode layout: :class:`GDN2Cache` (the recurrent state and the short-conv tails) and
 :class:`FusedGDN2` (copies of its input projections in a layout for few-token steps); a decode step is
 its forward with a cache, through the in-place custom op ``gdn2::recurrent_decode`` for short inputs.
@@ -134,11 +140,17 @@ class GatedDeltaNet2(nn.Module):
         self.q_conv1d = short_conv(self.key_dim, self.conv_size)
         self.k_conv1d = short_conv(self.key_dim, self.conv_size)
         self.v_conv1d = short_conv(self.value_dim, self.conv_size)
-        self.f_proj = nn.Sequential(lin(d, r), lin(r, self.key_dim))  # decay, low rank
-        self.b_proj = lin(d, self.key_dim)  # erase gate (key axis)
-        self.w_proj = lin(d, self.value_dim)  # write gate (value axis)
+        self.tied_gates = c.gdn2_tied_gates
+        # channels each value of g, b and w covers: 1 per channel, the head dim per head
+        self.gate_spans = (self.head_k_dim if c.gdn2_decay == "head" else 1,
+                           self.head_k_dim if c.gdn2_erase == "head" else 1,
+                           self.head_v_dim if c.gdn2_write == "head" else 1)
+        self.f_proj = nn.Sequential(lin(d, r), lin(r, c.gdn2_decay_units))  # decay, low rank
+        self.b_proj = lin(d, c.gdn2_erase_units)  # erase gate (key axis); tied: also the write gate
+        if not self.tied_gates:
+            self.w_proj = lin(d, c.gdn2_write_units)  # write gate (value axis)
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(self.key_dim, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(c.gdn2_decay_units, dtype=torch.float32))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.g_proj = nn.Sequential(lin(d, r), lin(r, self.value_dim, bias=True))  # output gate
@@ -149,7 +161,8 @@ class GatedDeltaNet2(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """A_log = log U(1, 16) per head; dt ~ logU(1e-3, 1e-1) per key channel, dt_bias = softplus^-1(dt)."""
+        """A_log = log U(1, 16) per head; dt ~ logU(1e-3, 1e-1) per decay unit (key channel, or head),
+        dt_bias = softplus^-1(dt)."""
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
             u = torch.rand_like(self.dt_bias)
@@ -163,14 +176,19 @@ class GatedDeltaNet2(nn.Module):
                             dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         return GDN2Cache(state, conv, self.key_dim)
 
+    def gate_projections(self) -> list[nn.Linear]:
+        """The erase and write gates' projections: b_proj and w_proj, or b_proj alone when tied."""
+        return [self.b_proj] if self.tied_gates else [self.b_proj, self.w_proj]
+
     def input_projections(self) -> list[nn.Linear]:
         """The projections of the layer input, in the row order of :attr:`FusedGDN2.in_proj`."""
-        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.w_proj, self.f_proj[0], self.g_proj[0]]
+        return [self.q_proj, self.k_proj, self.v_proj, *self.gate_projections(), self.f_proj[0], self.g_proj[0]]
 
     def float8_exempt(self) -> list[nn.Linear]:
         """The projections that stay in bf16 under float8: the gates' low-rank up-projections, whose GEMMs
-        reduce over the gate rank only."""
-        return [self.f_proj[1], self.g_proj[1]]
+        reduce over the gate rank only, and the gates per head, whose GEMMs are a few columns wide."""
+        per_head = [lin for lin, span in zip(self.gate_projections(), self.gate_spans[1:]) if span > 1]
+        return [self.f_proj[1], self.g_proj[1], *per_head]
 
     def decode_weights(self) -> "FusedGDN2":
         """New copies of this layer's input projections and convs in the decode layout."""
@@ -202,10 +220,11 @@ class GatedDeltaNet2(nn.Module):
         scope = RecomputeScope() if self._recomputes(cache, fused) else None
         with scope if scope is not None else contextlib.nullcontext():
             if fused is None:
-                # one GEMM for all seven when grouped projections are on, else seven (see fused.project)
-                qp, kp, vp, f_lo, b, w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
-                                                           self.b_proj, self.w_proj, self.g_proj[0]),
-                                                       self.grouped_projections)
+                # one GEMM for all seven (six when tied) when grouped projections are on, else one each
+                qp, kp, vp, f_lo, b, *w, g_lo = project(x, (self.q_proj, self.k_proj, self.v_proj, self.f_proj[0],
+                                                            *self.gate_projections(), self.g_proj[0]),
+                                                        self.grouped_projections)
+                w = w[0] if w else None
                 tails = (None,) * 3 if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
                 made_from = ((qp, kp, vp), (f_lo, b, w), pos_in_doc, b_scale)
                 inputs = self._operator_inputs(*made_from, tails, cu_seqlens if packed else None)
@@ -219,8 +238,9 @@ class GatedDeltaNet2(nn.Module):
                                   cu_seqlens if packed else None)
                 # slices of the fused conv output: dense copies for the kernel (free at batch 1)
                 q, k, v = (t.contiguous() for t in conv.split([Kd, Kd, Vd], dim=-1))
-                g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, K, b_scale)
-            q, k, b, g = (t.reshape(B, T, H, K) for t in (q, k, b, g))
+                g, b, w = gdn2_gates(f, b, w, self.A_log, self.dt_bias, b_scale, self.gate_spans)
+            q, k, g = (t.reshape(B, T, H, K) for t in (q, k, g))
+            b = b.reshape(B, T, -1, K)  # H heads, or HV for a tied gate
             v, w = v.reshape(B, T, HV, V), w.reshape(B, T, HV, V)
             o = self._mix(q, k, v, g, b, w, cu_seqlens, cache, packed, recompute=scope is not None)
             if fused is None:
@@ -243,13 +263,13 @@ class GatedDeltaNet2(nn.Module):
                          ) -> tuple[torch.Tensor, ...]:
         """q, k, v (short conv + SiLU, see :meth:`_conv` for ``tails`` and ``packed_cu_seqlens``), the
         decay's full-rank projection f and the gates g, b, w from the projections ``pre`` (q, k, v) and
-        ``logits`` (f's low-rank one, b, w)."""
+        ``logits`` (f's low-rank one, b, w; w None when tied)."""
         taps = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         q, k, v = (self._conv(p, weight, tail, pos_in_doc, packed_cu_seqlens)
                    for p, weight, tail in zip(pre, taps, tails))
         f_lo, b, w = logits
         f = self.f_proj[1](f_lo)
-        return (q, k, v, f, *gdn2_gates(f, b, w, self.A_log, self.dt_bias, self.head_k_dim, b_scale))
+        return (q, k, v, f, *gdn2_gates(f, b, w, self.A_log, self.dt_bias, b_scale, self.gate_spans))
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The per-head norm of o [B,T,HV,V] gated by the output gate [B,T,HV*V], as [B,T,HV*V]."""
@@ -298,19 +318,25 @@ class GatedDeltaNet2(nn.Module):
 
 @dataclass
 class FusedGDN2:
-    """Copies of one GDN-2 layer's input projections in a layout for few-token steps: the seven input
-    projections as one GEMM, the two low-rank second stages as one, the three short convs as one."""
+    """Copies of one GDN-2 layer's input projections in a layout for few-token steps: the seven (six with
+    tied gates) input projections as one GEMM, the two low-rank second stages as one, the three short
+    convs as one."""
 
-    # [2*key_dim + value_dim + key_dim + value_dim + 2*rank, d]: the rows of q_proj | k_proj | v_proj |
-    # b_proj | w_proj | f_proj[0] | g_proj[0]
+    # [2*key_dim + value_dim + erase_units + write_units + 2*rank, d]: the rows of q_proj | k_proj |
+    # v_proj | b_proj | w_proj (none when tied) | f_proj[0] | g_proj[0]
     in_proj: torch.Tensor
-    # [key_dim + value_dim, 2*rank] block diagonal: f_proj[1] on the decay's hidden units, g_proj[1] on
-    # the gate's; ``low_rank_bias`` is 0 | g_proj[1].bias
+    # [decay_units + value_dim, 2*rank] block diagonal: f_proj[1] on the decay's hidden units, g_proj[1]
+    # on the gate's; ``low_rank_bias`` is 0 | g_proj[1].bias
     low_rank: torch.Tensor
     low_rank_bias: torch.Tensor
     conv: torch.Tensor  # [2*key_dim + value_dim, 1, conv_size]: taps of q | k | v, GDN2Cache.conv's order
     key_dim: int
     value_dim: int
+    # rows of the decay's (f_proj[1]), the erase gate's and the write gate's projections (0 when tied):
+    # key_dim, key_dim, value_dim for channel gates, a head count for a gate per head
+    decay_units: int
+    erase_units: int
+    write_units: int
 
     @classmethod
     def of(cls, layer: "GatedDeltaNet2") -> "FusedGDN2":
@@ -325,8 +351,10 @@ class FusedGDN2:
             if lin in first and lin.bias is not None:
                 raise ValueError(f"layer {layer.layer_idx}: {name} has a bias, which the fused input GEMM omits")
         Kd, Vd, r = layer.key_dim, layer.value_dim, layer.f_proj[1].in_features
-        fused = cls(ref.new_empty(3 * Kd + 2 * Vd + 2 * r, ref.shape[1]), ref.new_zeros(Kd + Vd, 2 * r),
-                    ref.new_zeros(Kd + Vd), ref.new_empty(2 * Kd + Vd, 1, layer.conv_size), Kd, Vd)
+        Fu, Bu = layer.f_proj[1].out_features, layer.b_proj.out_features
+        Wu = 0 if layer.tied_gates else layer.w_proj.out_features
+        fused = cls(ref.new_empty(2 * Kd + Vd + Bu + Wu + 2 * r, ref.shape[1]), ref.new_zeros(Fu + Vd, 2 * r),
+                    ref.new_zeros(Fu + Vd), ref.new_empty(2 * Kd + Vd, 1, layer.conv_size), Kd, Vd, Fu, Bu, Wu)
         fused.copy_from(layer)
         return fused
 
@@ -334,15 +362,15 @@ class FusedGDN2:
     def copy_from(self, layer: "GatedDeltaNet2") -> None:
         """Copy ``layer``'s parameters into these buffers (the zero blocks stay zero)."""
         f1, g1 = layer.f_proj[1], layer.g_proj[1]
-        Kd, r = self.key_dim, f1.in_features
+        Fu, r = self.decay_units, f1.in_features
         torch.cat([lin.weight for lin in layer.input_projections()], dim=0, out=self.in_proj)
-        self.low_rank[:Kd, :r].copy_(f1.weight)
-        self.low_rank[Kd:, r:].copy_(g1.weight)
-        for bias, part in ((f1.bias, self.low_rank_bias[:Kd]), (g1.bias, self.low_rank_bias[Kd:])):
+        self.low_rank[:Fu, :r].copy_(f1.weight)
+        self.low_rank[Fu:, r:].copy_(g1.weight)
+        for bias, part in ((f1.bias, self.low_rank_bias[:Fu]), (g1.bias, self.low_rank_bias[Fu:])):
             if bias is not None:
                 part.copy_(bias)
         for conv, part in zip((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d),
-                              self.conv.split([Kd, Kd, self.value_dim])):
+                              self.conv.split([self.key_dim, self.key_dim, self.value_dim])):
             part.copy_(conv.weight)
 
     @staticmethod
@@ -354,16 +382,16 @@ class FusedGDN2:
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B,T,d] -> the pre-conv q | k | v [B,T,2*key_dim+value_dim] and the pre-activation f,
-        b, w and output gate, as the layer's own projections give them."""
+        b, w (None when tied) and output gate, as the layer's own projections give them."""
         B, T, _ = x.shape
-        Kd, Vd = self.key_dim, self.value_dim
-        qkv, bw, hidden = F.linear(x, self.in_proj).split([2 * Kd + Vd, Kd + Vd, self.low_rank.shape[1]], dim=-1)
+        Kd, Vd, Fu, Bu, Wu = self.key_dim, self.value_dim, self.decay_units, self.erase_units, self.write_units
+        qkv, bw, hidden = F.linear(x, self.in_proj).split([2 * Kd + Vd, Bu + Wu, self.low_rank.shape[1]], dim=-1)
         # The bias is added apart from the GEMM, so that the compiler folds it into the kernels that
         # read f and the gate. A non-finite hidden unit would leak into the other stage through the
         # zero blocks, but it already makes this layer's output non-finite unfused.
         low = F.linear(hidden.reshape(B * T, -1), self.low_rank) + self.low_rank_bias
-        f, gate = low.reshape(B, T, Kd + Vd).split([Kd, Vd], dim=-1)
-        b, w = bw.split([Kd, Vd], dim=-1)
+        f, gate = low.reshape(B, T, Fu + Vd).split([Fu, Vd], dim=-1)
+        b, w = bw.split([Bu, Wu], dim=-1) if Wu else (bw, None)
         return qkv, f, b, w, gate
 
     def tensors(self) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@ folder's ``run.json``, the checks of a resume, and the logger."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from gdn2.checkpoint.format import read_checkpoint_config, read_marker
+from gdn2.config import Config
 from gdn2.data.shards import PackedShardReader, find_shards, read_manifest
 from gdn2.files import FolderLock
 from gdn2.float8 import check_device, float8_spec
@@ -230,8 +232,11 @@ def check_resume_compatible(recipe: Recipe, checkpoint: Path, world_size: int) -
     saved = read_checkpoint_config(checkpoint)
     marker = read_marker(checkpoint)
     current = recipe.sections_dict()
-    model_diff = [f"model.{k}: checkpoint {saved['model'].get(k)!r}, now {v!r}"
-                  for k, v in current["model"].items() if k != "name" and saved["model"].get(k) != v]
+    # a key the checkpoint's model config lacks came later, with a default that keeps the earlier model
+    earlier = {f.name: f.default for f in dataclasses.fields(Config)}
+    saved_model = {**earlier, **saved["model"]}
+    model_diff = [f"model.{k}: checkpoint {saved_model.get(k)!r}, now {v!r}"
+                  for k, v in current["model"].items() if k != "name" and saved_model.get(k) != v]
     if model_diff:
         raise ValueError(f"cannot resume from {checkpoint}: the model config differs ({'; '.join(model_diff)})")
     if marker["world_size"] != world_size:

@@ -12,12 +12,18 @@ from decode_helpers import tiny_decoding_model
 
 # Windows of 6 keys wrap the ring buffer; GDN-2 inputs of <= 4 tokens take the recurrent kernel, longer
 # ones the chunked one; the hybrid's GDN-2 layer has grouped value heads, V != K and the doubled erase
-# gate (what the fused layout splits), the transformer grouped KV heads.
+# gate (what the fused layout splits), the transformer grouped KV heads. The gates per head: KDA's and
+# Gated DeltaNet's tied ones (the latter with grouped value heads, V != K and the doubled tied gate), and
+# the two ablations (a config name, then "/" and a label, for overrides of one config).
 CONFIGS = {
     "swa_gdn2_tiny": dict(sliding_window=6, gdn2_recurrent_max_len=4, gdn2_num_v_heads=8, gdn2_expand_v=2.0,
                           allow_neg_eigval=True),
     "gdn2_tiny": dict(gdn2_recurrent_max_len=4),
     "transformer_tiny": dict(n_query_groups=2),
+    "kda_tiny": dict(gdn2_recurrent_max_len=4),
+    "gdn_tiny": dict(gdn2_recurrent_max_len=4, gdn2_num_v_heads=8, gdn2_expand_v=2.0, allow_neg_eigval=True),
+    "gdn2_tiny/erase_head": dict(gdn2_recurrent_max_len=4, gdn2_erase="head"),
+    "gdn2_tiny/write_head": dict(gdn2_recurrent_max_len=4, gdn2_write="head"),
 }
 LENGTHS, STEPS = [5, 13, 1, 9], 8
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,7 +41,7 @@ def test_every_path_gives_the_full_forward_logits(name, variant):
     - decode(_fused): packed prefill of prompts of different lengths, then one token per row per step
       (right-aligned rows), unfused or on DecodeWeights; every cache write in place;
     - extend: prefill and decoding of aligned rows in pieces of several lengths."""
-    model = tiny_decoding_model(name, **CONFIGS[name])
+    model = tiny_decoding_model(name.split("/")[0], **CONFIGS[name])
     seqs = [torch.randint(0, 256, (n + STEPS,)) for n in LENGTHS]
     with torch.no_grad():
         full = [model(s[None])[0] for s in seqs]

@@ -15,7 +15,9 @@ from gdn2.config import Config
 from gdn2.hf.convert import export, import_folder, main
 from gdn2.model import GPT
 
-CONFIGS = ("swa_gdn2_tiny", "gdn2_tiny", "transformer_tiny")
+CONFIGS = ("swa_gdn2_tiny", "gdn2_tiny", "transformer_tiny", "kda_tiny", "gdn_tiny")
+# Gated DeltaNet's tied gate over grouped value heads, doubled (a gate per value head, as b and w)
+OVERRIDES = {"gdn_tiny": dict(gdn2_num_v_heads=8, allow_neg_eigval=True)}
 TEXT = "the model learns a state\n\nwith gates and decay"
 
 # Run where gdn2 cannot be imported: only transformers, torch and sentencepiece.
@@ -59,7 +61,8 @@ def checkpoints(tmp_path_factory):
     found = {}
     for name in CONFIGS:
         window = 8 if name.startswith("swa") else None
-        config = Config.from_name(name, vocab_size=300, block_size=64, sliding_window=window)
+        config = Config.from_name(name, vocab_size=300, block_size=64, sliding_window=window,
+                                  **OVERRIDES.get(name, {}))
         torch.manual_seed(0)
         model = GPT(config)
         with torch.no_grad():
@@ -98,10 +101,10 @@ def test_loads_without_gdn2_with_its_logits_tokens_and_cache(checkpoints, export
         assert len(r["cached"]) == len(r["ids"]) + 12
 
 
-def test_export_import_export_is_lossless(checkpoints, exported, tmp_path):
+@pytest.mark.parametrize("name", ["swa_gdn2_tiny", "gdn_tiny"])
+def test_export_import_export_is_lossless(checkpoints, exported, tmp_path, name):
     from safetensors.torch import load_file
 
-    name = "swa_gdn2_tiny"
     back = import_folder(exported[name], tmp_path / "imported")
     again = export(back, tmp_path / "again")
     first, second = (load_file(str(f / "model.safetensors")) for f in (exported[name], again))

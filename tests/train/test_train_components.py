@@ -1,5 +1,6 @@
-"""Schedule, optimizer groups, MFU peaks."""
+"""Schedule, optimizer groups, MFU peaks, the resume check of a checkpoint's model config."""
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,8 @@ from gdn2.model import GPT
 from gdn2.train.metrics import model_flops_utilization, peak_bf16_flops
 from gdn2.checkpoint.format import bare_parameter_name
 from gdn2.train.optimizer import build_optimizer, no_weight_decay_names, parameter_groups
-from gdn2.train.recipe import OptimizerConfig
+from gdn2.train.recipe import OptimizerConfig, load_recipe
+from gdn2.train.setup import check_resume_compatible
 from gdn2.train.schedule import cosine_with_warmup
 
 from train_helpers import MICRO_MODEL
@@ -73,3 +75,23 @@ def test_mfu():
     assert model_flops_utilization(9e9, 38_000, 989e12) == pytest.approx(9e9 * 38_000 / 989e12)
     assert model_flops_utilization(9e9, 38_000, None) is None
     assert math.isclose(model_flops_utilization(1e12, 989, 989e12), 1.0)
+
+
+def test_a_checkpoint_from_before_a_model_key_existed_resumes_as_its_default(tmp_path):
+    """A checkpoint whose model config lacks the gate keys (saved before they existed) is today's GDN-2:
+    it resumes under the defaults, and not under other gates."""
+    import yaml
+
+    from gdn2.checkpoint.format import CONFIG, MARKER
+
+    recipe = load_recipe("gdn2_tiny")
+    sections = recipe.sections_dict()
+    for key in ("gdn2_decay", "gdn2_erase", "gdn2_write", "gdn2_tied_gates"):
+        del sections["model"][key]
+    checkpoint = tmp_path / "step-000000001"
+    checkpoint.mkdir()
+    (checkpoint / CONFIG).write_text(yaml.safe_dump(sections))
+    (checkpoint / MARKER).write_text(json.dumps({"step": 1, "world_size": 1}))
+    assert check_resume_compatible(recipe, checkpoint, 1) == []
+    with pytest.raises(ValueError, match="model.gdn2_erase: checkpoint 'channel', now 'head'"):
+        check_resume_compatible(load_recipe("gdn2_tiny", {"model.gdn2_erase": "head"}), checkpoint, 1)
