@@ -217,6 +217,7 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                                num_workers=recipe.data.num_workers, document_masking=recipe.data.document_masking,
                                eos_id=recipe.data.eos_id, vocab_size=recipe.model.vocab_size)
     state = TrainState()
+    trainer_state: dict = {}
     if resume_path is not None:
         loading = time.perf_counter()
         trainer_state, extras = load_checkpoint(fabric, resume_path, unwrap(model), unwrap(optimizer))
@@ -246,7 +247,6 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                          config=recipe.sections_dict())
     validator = Validator(fabric, model, recipe, metrics, plan.max_steps)
     lm_evaluator = LmEvaluator(fabric, model, recipe, metrics, plan.max_steps)
-    checkpointer = Checkpointer(fabric, recipe, model, optimizer, state, train_loader, plan.max_steps, resume_path)
 
     from tqdm.auto import tqdm
 
@@ -255,6 +255,10 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                disable=not (rank0 and recipe.logging.progress_bar and sys.stderr.isatty()))
     train_log = TrainLog(metrics, recipe.logging.interval, plan.max_steps, state.step, fabric.world_size, fpt, peak,
                          fabric.device, bar, console=rank0 and bar.disable)
+    if "train_log" in trainer_state:  # absent from checkpoints of earlier versions
+        train_log.load_state_dict(trainer_state["train_log"])
+    checkpointer = Checkpointer(fabric, recipe, model, optimizer, state, train_loader, plan.max_steps, resume_path,
+                                train_log=train_log)
     profiler = StepProfiler(recipe.train.profile_steps, out_dir, fabric.global_rank)
     batches = iter(train_loader)
     last_step_time = 0.0
