@@ -4,8 +4,10 @@ uncached, left padding honoured), runs under lm-eval's own hf model, and export 
 lossless."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,19 +117,26 @@ def test_export_import_export_is_lossless(checkpoints, exported, tmp_path):
     assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
 
 
-def test_lm_eval_hf_model_runs_on_the_folder(exported):
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-
-    from gdn2.eval.harness import make_task_manager
-
-    tasks = ["gdn2_local_mc", "gdn2_local_gen"]
-    lm = HFLM(pretrained=str(exported["swa_gdn2_tiny"]), trust_remote_code=True, dtype="float32", device="cpu",
-              batch_size=2)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=2, task_manager=make_task_manager(tasks),
-                                      bootstrap_iters=0)
-    assert 0.0 <= results["results"]["gdn2_local_mc"]["acc,none"] <= 1.0
-    assert "exact_match,strip" in results["results"]["gdn2_local_gen"]
+@pytest.mark.slow
+def test_lm_eval_command_line_runs_the_folder_with_gdn2s_tasks(exported, tmp_path):
+    """lm-eval's own command line and ``hf`` model on an export, gdn2's task folder given as its
+    --include_path by ``gdn2 eval --print_include_path`` (as the README's command does)."""
+    found = subprocess.run([sys.executable, "-m", "gdn2", "eval", "--print_include_path"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr
+    include = found.stdout.strip()
+    assert (Path(include) / "gdn2_local" / "gdn2_local_mc.yaml").is_file()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+         f"pretrained={exported['swa_gdn2_tiny']},trust_remote_code=True,dtype=float32", "--tasks",
+         "gdn2_local_mc,gdn2_local_gen", "--include_path", include, "--device", "cpu", "--batch_size", "2",
+         "--limit", "2", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(path.read_text())["results"]
+    assert 0.0 <= results["gdn2_local_mc"]["acc,none"] <= 1.0
+    assert "exact_match,strip" in results["gdn2_local_gen"]
 
 
 def test_import_refuses_what_export_did_not_write(tmp_path, capsys):
