@@ -117,6 +117,20 @@ def test_export_import_export_is_lossless(checkpoints, exported, tmp_path):
     assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
 
 
+def test_the_exported_tokenizer_pads_a_batch_with_the_generation_configs_pad_id(exported):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = exported["swa_gdn2_tiny"]
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    pad = GenerationConfig.from_pretrained(folder).pad_token_id
+    batch = tok(["the model", TEXT], padding=True, return_tensors="pt")
+    short = tok("the model").input_ids
+    assert tok.pad_token_id == pad == tok.eos_token_id
+    width = batch.input_ids.shape[1]
+    assert batch.input_ids[0].tolist() == [pad] * (width - len(short)) + short  # on the left, for generation
+    assert batch.attention_mask[0].tolist() == [0] * (width - len(short)) + [1] * len(short)
+
+
 @pytest.mark.slow
 def test_lm_eval_command_line_runs_the_folder_with_gdn2s_tasks(exported, tmp_path):
     """lm-eval's own command line and ``hf`` model on an export, gdn2's task folder given as its
