@@ -17,6 +17,7 @@ from gdn2.config import Config
 from gdn2.hf.convert import export, import_folder, main
 from gdn2.model import GPT
 
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("swa_gdn2_tiny", "gdn2_tiny", "transformer_tiny")
 TEXT = "the model learns a state\n\nwith gates and decay"
 
@@ -115,6 +116,30 @@ def test_export_import_export_is_lossless(checkpoints, exported, tmp_path):
     restored = torch.load(back, weights_only=True)
     assert restored["config"] == original["config"] and restored["step"] == 7
     assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
+
+
+@pytest.mark.slow
+def test_a_dev_install_loads_an_export_on_cpu_without_torchao_noise(exported, tmp_path):
+    """torchao (float8's extra, not dev's) is imported by transformers' from_pretrained wherever it is
+    installed, and on a CPU machine prints failed loads of its CUDA libraries and deprecation warnings."""
+    import importlib.util
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in reqs}
+             for extra, reqs in extras.items()}
+    assert "torchao" not in names["dev"] and "torchao" in names["float8"]
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is installed here (the float8 extra)")
+    load = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+            "AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)")
+    proc = subprocess.run([sys.executable, "-c", load, str(exported["swa_gdn2_tiny"])], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if "torchao" in line or "deprecated" in line.lower()]
+    assert not noise, noise
 
 
 def test_the_exported_tokenizer_pads_a_batch_with_the_generation_configs_pad_id(exported):
