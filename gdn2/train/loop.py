@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
 from gdn2.train.setup import (RunLock, build_fabric, build_model_and_optimizer, check_resume_compatible,
-                              check_vocabulary, prepare_default_corpus, setup_logging, write_run_info)
+                              check_vocabulary, cpu_threads, prepare_default_corpus, setup_logging, usable_cores,
+                              write_run_info)
 from gdn2.train.slurm import SlurmJob, StopSignals, parse_duration, requeue
 from gdn2.train.validate import LmEvaluator, Validator
 
@@ -119,6 +121,19 @@ def train_step(fabric, model, optimizer, batches, plan: TrainPlan, lr: float, gr
                       requeue_votes=int(requeue_votes), stop_votes=int(stop_votes))
 
 
+def _set_cpu_threads(local_ranks: int, loader_workers: int, rank0: bool) -> None:
+    """This rank's intra-op threads (:func:`gdn2.train.setup.cpu_threads`), said once."""
+    cores = usable_cores()
+    threads = cpu_threads(cores, local_ranks, loader_workers, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if rank0:
+        log.info("CPU threads per rank: %d (%s)", torch.get_num_threads(),
+                 "OMP_NUM_THREADS" if threads is None else
+                 f"{cores} usable cores, {local_ranks} rank(s) on this node, {loader_workers} loader worker(s) each, "
+                 f"one core left free; OMP_NUM_THREADS overrides")
+
+
 def _report_adjusted_settings(recipe: Recipe, plan: TrainPlan, device_type: str) -> None:
     """Recipe values that do not take effect as written, said once at the start."""
     t = recipe.train
@@ -149,6 +164,8 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     fabric.launch()
     rank0 = fabric.global_rank == 0
     setup_logging(fabric.global_rank)
+    if fabric.device.type == "cpu":
+        _set_cpu_threads(fabric.world_size // topology.num_nodes, recipe.data.num_workers, rank0)
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
     out_dir = Path(recipe.out_dir)
     lock = RunLock(out_dir)
@@ -312,10 +329,20 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
             requeued = requeue(slurm)
         fabric.barrier()
     if rank0:
-        log.info("stopped at step %d (%s)%s", state.step, stop_reason, "; job requeued" if requeued else "")
+        log.info("%s", stop_summary(state.step, stop_reason, requeued, checkpointer.last))
         _report_outputs(recipe, metrics, checkpointer.last)
     return FitResult(step=state.step, tokens=state.tokens, stop_reason=stop_reason, checkpoint=checkpointer.last,
                      requeued=requeued, val_losses=validator.last)
+
+
+def stop_summary(step: int, stop_reason: str, requeued: bool, checkpoint: Optional[Path]) -> str:
+    """The line that ends a run: where it stopped and why, and, before the end, how it continues."""
+    text = f"stopped at step {step} ({stop_reason})"
+    if requeued:
+        return text + "; job requeued"
+    if stop_reason != "finished" and checkpoint is not None:
+        text += f"; saved {checkpoint}: the same command with --resume auto continues from it"
+    return text
 
 
 def _skipped(state: TrainState, out: StepOutput, metrics: MetricsLog, recipe: Recipe, last: Optional[Path],
