@@ -101,7 +101,7 @@ class MetricsLog:
         if csv:
             self.loggers.append(_csv_logger(out, resume_step))
         if wandb:
-            self.loggers.append(_wandb_logger(out / "wandb", wandb_project, wandb_mode, run_name or out.name,
+            self.loggers.append(_wandb_logger(out, wandb_project, wandb_mode, run_name or out.name,
                                               resume_step is not None, config))
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
@@ -133,12 +133,14 @@ class MetricsLog:
         self.loggers = []
 
 
-def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
-    """A Weights & Biases logger in ``folder``; a resumed run continues the W&B run it started."""
+def _wandb_logger(out: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
+    """A Weights & Biases logger whose files land in ``out/wandb`` (``offline-run-*``, ``run_id``); a resumed
+    run continues the W&B run it started."""
     try:
         import wandb
     except ImportError:
         raise ValueError("logging.wandb: the wandb package is not installed (pip install wandb)") from None
+    folder = out / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     id_file = folder / "run_id"
     if resuming and id_file.is_file():
@@ -149,7 +151,8 @@ def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bo
         run_id = uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
     # started now: a bad setting fails before training, not at the first log
-    run = wandb.init(project=project, name=name, dir=str(folder), id=run_id, mode=mode, resume="allow",
+    # W&B writes into a "wandb" folder inside the dir it is given: the run folder, so that is out/wandb
+    run = wandb.init(project=project, name=name, dir=str(out), id=run_id, mode=mode, resume="allow",
                      config=config)
     from gdn2.train.wandb_logger import WandbLogger
 
