@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os.path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
-
-import os.path
 
 import torch
 

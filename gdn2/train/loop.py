@@ -164,8 +164,6 @@ def fit(recipe: Recipe, resume: Optional[str] = None) -> FitResult:
     fabric.launch()
     rank0 = fabric.global_rank == 0
     setup_logging(fabric.global_rank)
-    if fabric.device.type == "cpu":
-        _set_cpu_threads(fabric.world_size // topology.num_nodes, recipe.data.num_workers, rank0)
     slurm = SlurmJob.from_env() if topology.launcher == "slurm" else None
     out_dir = Path(recipe.out_dir)
     lock = RunLock(out_dir)
@@ -211,6 +209,8 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
     device_type = fabric.device.type
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for whatever runs in fp32
+    elif device_type == "cpu":
+        _set_cpu_threads(fabric.world_size // topology.num_nodes, recipe.data.num_workers, rank0)
     model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
     device_name = torch.cuda.get_device_name(fabric.device) if device_type == "cuda" else "cpu"
     fpt = flops_per_token(recipe.model, plan.block_size)

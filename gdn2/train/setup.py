@@ -26,6 +26,7 @@ from gdn2.train.slurm import Topology, resolve_topology
 
 log = logging.getLogger("gdn2.train")
 
+
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
     """Whole cores of the CPU quota of this process's cgroup (a container's limit, which the CPU affinity
     does not show), rounded up; None without a quota. cgroup v2 ``cpu.max``, else v1's
@@ -63,14 +64,14 @@ def cpu_threads(cores: int, local_ranks: int, loader_workers: int, env: Mapping[
     torch follows it).
 
     Each rank takes its share of the cores, less its data-loader worker processes, and at least one
-    thread. One core is left out of the shares for what runs beside the ranks' compute (data loading and
+    thread (so never more than the cores, unless the ranks alone outnumber them). One core is left out of the shares for what runs beside the ranks' compute (data loading and
     logging on the main threads, a W&B service, the system): a compute thread preempted by them stalls
     every parallel region of the step, which on a busy machine made steps 10-30x slower.
     """
     if env.get("OMP_NUM_THREADS", "").strip():
         return None
     share = max(1, cores - 1) // max(1, local_ranks)
-    return max(1, min(cores, share - max(0, loader_workers)))
+    return max(1, share - max(0, loader_workers))
 
 
 def resolve_accelerator(name: str) -> str:
