@@ -889,6 +889,7 @@ def _prepare_locked(plan: Plan, output: Path, workers: int, shard_tokens: int, t
             if progress:
                 print(f"{output}: already complete ({MANIFEST_NAME} matches these inputs and settings)",
                       file=sys.stderr)
+            _warn_if_no_validation(output, done)
             return done
     journal = _open_journal(output, plan, overwrite)
     stats, start = journal["stats"], journal["units_done"]
@@ -947,6 +948,7 @@ def _prepare_locked(plan: Plan, output: Path, workers: int, shard_tokens: int, t
         print(f"{output}: {manifest['tokens']['train']:,} train tokens in {len(writers['train'].shards)} shards, "
               f"{manifest['tokens']['val']:,} val tokens in {len(writers['val'].shards)}; documents kept "
               f"{kept['train'] + kept['val']:,}, skipped {dict(stats['documents_skipped'])}", file=sys.stderr)
+    _warn_if_no_validation(output, manifest)
     return manifest
 
 
@@ -988,6 +990,21 @@ def _tokenise(plan: Plan, output: Path, journal: dict, writers: dict[str, "Shard
                       "rerun the same command to continue", file=sys.stderr)
                 return True
     return False
+
+
+def _warn_if_no_validation(output: Path, manifest: dict) -> None:
+    """An empty validation split is said on stderr (also with --quiet): the shards are complete and
+    usable with another validation source, but the trainer's default ``data.val`` is this folder and
+    would find no ``val_*.bin``."""
+    if manifest["tokens"]["val"]:
+        return
+    documents = manifest["documents"]["kept"]["train"]
+    fraction = manifest["settings"]["val_fraction"]
+    enough = min(0.1, float(f"{max(100 / max(documents, 1), 1e-4):.0e}"))  # about 100 held-out documents
+    print(f"warning: {output}: the validation split is empty (0 val tokens: --val_fraction {fraction:g} of "
+          f"{documents:,} documents chose none, and no --val_input), so training that validates on this folder "
+          f"finds no val_*.bin; rerun with --overwrite and held-out files as --val_input, or a larger "
+          f"--val_fraction (e.g. {enough:g})", file=sys.stderr)
 
 
 def _ordered_bounded(pool, tasks: Iterator[tuple], in_flight: int) -> Iterator[dict]:

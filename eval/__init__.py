@@ -8,3 +8,9 @@
 
 Installed as ``gdn2.eval``; importing this package imports nothing of lm-eval and patches nothing.
 """
+
+from pathlib import Path
+
+# gdn2's own task definitions (package data: eval/tasks, offline): an ``include_path`` for lm-eval, also
+# on its own command line (``python -m gdn2 eval --print_include_path`` prints it).
+LOCAL_TASKS = Path(__file__).resolve().parent / "tasks"

@@ -455,7 +455,11 @@ def markdown(runs: Sequence[Run], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: Sequence[Run], path: Path, title: str) -> None:
+def figure(runs: Sequence[Run], title: str):
+    """The picture of :func:`plot` as a matplotlib Figure: validation loss against training tokens and
+    final validation loss against evaluation length (log2 axis; a dotted grey line marks each training
+    length, half an octave inside the axis at least), both at each config's best rate, and with a sweep
+    the final validation loss against the learning rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -467,8 +471,10 @@ def plot(runs: Sequence[Run], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3 if swept else 2, figsize=(16.5 if swept else 11, 4.2))
     curve, extrapolation = axes[0], axes[1]
     colors = {name: f"C{index}" for index, name in enumerate(groups)}
+    plotted: list[Run] = []
     for config, group in groups.items():
         shown = by_rate(group).get(best.get(config, min(r.lr for r in group)), [])
+        plotted += shown
         for index, run in enumerate(shown):
             dashes = "solid" if index == 0 else (0, (4, 2))
             points = [(r["step"] * run.tokens_per_step / 1e6, _val_losses(r).get(run.block_size)) for r in run.val]
@@ -480,14 +486,22 @@ def plot(runs: Sequence[Run], path: Path, title: str) -> None:
             if final:
                 extrapolation.plot([length for length, _ in final], [loss for _, loss in final], color=colors[config],
                                    linestyle=dashes, marker="o", label=f"{config} (seed {run.seed})")
-                extrapolation.axvline(run.block_size, color="0.8", linewidth=0.8, zorder=0)
     curve.set_xlabel("training tokens (millions)")
     curve.set_ylabel("validation loss at the training length")
     curve.set_title("validation loss during training" + (" (best rate)" if swept else ""))
     curve.grid(alpha=0.3)
     curve.legend(fontsize=8)
+    # the shortest evaluation length is the training length: without room on the left its line would
+    # lie on the axis's edge, unseen
+    blocks = sorted({run.block_size for run in plotted})
+    lengths = blocks + [length for run in plotted for length in run.final_val]
     extrapolation.set_xscale("log", base=2)
-    extrapolation.set_xlabel("evaluation length (tokens); grey line: training length")
+    if lengths:
+        extrapolation.set_xlim(min(lengths) / 2 ** 0.5, max(lengths) * 2 ** 0.5)
+    for block in blocks:
+        extrapolation.axvline(block, color="0.4", linestyle=":", linewidth=1.5, zorder=0,
+                              label=f"training length ({block} tokens)")
+    extrapolation.set_xlabel("evaluation length (tokens)")
     extrapolation.set_ylabel("final validation loss")
     extrapolation.set_title("length extrapolation" + (" (best rate)" if swept else ""))
     extrapolation.grid(alpha=0.3)
@@ -511,6 +525,14 @@ def plot(runs: Sequence[Run], path: Path, title: str) -> None:
         sweep.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot(runs: Sequence[Run], path: Path, title: str) -> None:
+    """Write :func:`figure` as a PNG."""
+    fig = figure(runs, title)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

@@ -3,7 +3,8 @@
 lm-eval has no registry of task folders: gdn2's offline tasks (``eval/tasks``, package data) are found
 through the ``include_path`` of a TaskManager. :func:`make_task_manager` makes one with that folder on
 its path; pass it to ``lm_eval.simple_evaluate(..., task_manager=...)``. lm-eval's own command line
-takes the folder as ``--include_path``. Nothing in lm-eval is patched.
+takes the folder as ``--include_path`` (``python -m gdn2 eval --print_include_path`` prints it).
+Nothing in lm-eval is patched.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import lm_eval
 from lm_eval.tasks import TaskManager
 
+from gdn2.eval import LOCAL_TASKS
 from gdn2.eval.lm import GDN2LM
 from gdn2.eval.results import summarize
 from gdn2.model import GPT
 from gdn2.tokenizer import Tokenizer
 
 __all__ = ["LOCAL_TASKS", "make_task_manager", "evaluate_model", "quiet_local_tasks", "include_paths"]
-
-# gdn2's own task definitions (package data: eval/tasks), offline.
-LOCAL_TASKS = Path(__file__).resolve().parent / "tasks"
 
 
 def include_paths(include_path: Any) -> list[str]:

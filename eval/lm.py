@@ -16,7 +16,10 @@ Scoring conventions:
   logits of the position before it, in fp32.
 - ``loglikelihood_rolling``: lm-eval's rolling windows of ``max_length`` tokens made disjoint, so
   every token is predicted exactly once; all windows of all documents are batched together.
-- ``generate_until``: :class:`gdn2.generation.Generator` (packed prefill, cached decoding, CUDA graphs).
+- ``generate_until``: :class:`gdn2.generation.Generator` (packed prefill, cached decoding, CUDA graphs);
+  the answer is the new tokens decoded on their own and cut at the first ``until`` string, as
+  lm-eval's ``hf`` model answers (so a leading word-boundary space is not part of it, and an export
+  scored by ``hf`` gives the same answers).
 - Data parallel: under torchrun (or an initialised process group) each rank takes every
   ``world_size``-th request, as lm-eval's other backends do.
 """
@@ -312,8 +315,11 @@ class GDN2LM(TemplateLM):
                 chunk = order[s: s + self.batch_size]
                 for j, completion in zip(chunk, gen.generate([prompts[j] for j in chunk], params)):
                     i = members[j]
-                    results[i] = completion.text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, completion.text)
+                    text = self.tok_decode(completion.tokens)
+                    for stop in until:
+                        text = text.split(stop)[0]
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(chunk))
         bar.close()
         return results  # type: ignore[return-value]

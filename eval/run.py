@@ -5,6 +5,7 @@
         [--limit N] [--include_path my_tasks/] [--batch_size 32] [--output DIR]
 
     python -m gdn2 eval --checkpoint out/run/checkpoints --tasks gdn2_local     # offline local tasks
+    python -m gdn2 eval --print_include_path   # gdn2's task folder, for lm-eval's own --include_path
 
 Writes ``DIR/results-step-<N>.json`` (the checkpoint and the step it holds, summary, lm-eval's
 per-task results and configuration) and ``DIR/results-step-<N>.md`` (the paper's row, then every
@@ -133,8 +134,12 @@ def merge_earlier(path: Path, record: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(kw_only=True)
 class EvalOptions:
-    checkpoint: str = option(help="consolidated model.pt, a training checkpoint folder, or a folder of them (the newest)")
-    tasks: str = option(help="comma-separated lm-eval task or group names")
+    checkpoint: Optional[str] = option(None, "consolidated model.pt, a training checkpoint folder, or a folder of "
+                                             "them (the newest)", meaning_of_null="required, unless --print_include_path")
+    tasks: Optional[str] = option(None, "comma-separated lm-eval task or group names",
+                                  meaning_of_null="required, unless --print_include_path")
+    print_include_path: bool = option(False, "print the folder of gdn2's task files (lm-eval's --include_path for "
+                                             "them) and exit")
     config: Optional[str] = option(None, "config name or YAML path", meaning_of_null="saved with the checkpoint")
     tokenizer: Optional[str] = option(None, "tokenizer.model", meaning_of_null="found beside the checkpoint")
     limit: Optional[float] = option(None, "examples per task: a count, or a fraction below 1", meaning_of_null="all")
@@ -159,6 +164,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_options(EvalOptions, list(argv or []), "gdn2 eval", __doc__.split("\n\n")[0])
     if args is None:
         return 0
+    if args.print_include_path:
+        from gdn2.eval import LOCAL_TASKS
+
+        print(LOCAL_TASKS)
+        return 0
+    for flag in ("checkpoint", "tasks"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag} is required (gdn2 eval --help lists the options)")
     args.limit = parse_limit(args.limit)
 
     import lm_eval

@@ -2,15 +2,19 @@
 the same casts and scales in ordinary matmuls), close to the full-precision model, the head, the
 low-rank gate projections and the gates per head left as they were; bad settings named by their key."""
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("torchao")
+from gdn2.config import Config
+from gdn2.float8 import check_device, float8_spec
+from gdn2.options import ModelOptions, apply_options
+from gdn2.model import GPT
 
-from gdn2.config import Config  # noqa: E402
-from gdn2.float8 import check_device, float8_spec  # noqa: E402
-from gdn2.options import ModelOptions, apply_options  # noqa: E402
-from gdn2.model import GPT  # noqa: E402
+# torchao comes with the float8 extra (pip install -e ".[dev,float8]"), not with dev
+HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="torchao is not installed (the float8 extra)")
 
 
 def _loss_and_grads(model, idx):
@@ -30,6 +34,7 @@ def _tiny_float8_hybrid():
     return model, torch.randint(0, model.config.vocab_size, (2, 33))
 
 
+@needs_torchao
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("grouped", [True, False])
 def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections(recipe, grouped):
@@ -76,10 +81,13 @@ def test_bad_float8_settings_are_named():
 
     with pytest.raises(ValueError, match="train.float8: must be one of tensorwise, rowwise, rowwise_with_gw_hp"):
         load_recipe("swa_gdn2_tiny", {"train.float8": "e4m3"})
+    if not HAVE_TORCHAO:  # the recipe names the extra to install
+        with pytest.raises(ValueError, match=r"train.float8 needs torchao: pip install 'gdn2\[float8\]'"):
+            load_recipe("swa_gdn2_tiny", {"train.float8": "rowwise"})
+        return
     with pytest.raises(ValueError, match="train.float8=rowwise needs a CUDA GPU of compute capability 8.9"):
         check_device(float8_spec("rowwise"), torch.device("cpu"))
-
-
+@needs_torchao
 def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     """As ``train.compile`` runs it (each float8 GEMM one traced stage): no graph break, same loss and
     gradients as eager, and a validation forward after training still traced (each projection shape
@@ -103,8 +111,7 @@ def test_float8_stage_traces_without_graph_breaks_to_the_eager_values(caplog):
     torch.testing.assert_close(val_c, val_e)
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(grads_c, grads_e, rtol=1e-5, atol=1e-6)
-
-
+@needs_torchao
 def test_recompute_with_float8_gives_the_same_loss_and_gradients(monkeypatch):
     """``train.recompute`` over float8 projections (the rebuilt operator inputs come from the float8
     grouped projection's output), eager and with the stages traced: one rebuild per GDN-2 layer, and

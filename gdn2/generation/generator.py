@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os.path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -17,10 +18,16 @@ from gdn2.tokenizer import Tokenizer
 __all__ = ["Completion", "Generator", "generate"]
 
 
+# Prompt tokens decoded in front of the completion so that its text is what follows the prompt's: enough
+# to hold a leading word-boundary piece's context and a character split over byte-fallback pieces.
+CONTEXT_TOKENS = 8
+
+
 @dataclass
 class Completion:
-    """What one prompt produced: the new token ids (EOS excluded), their text (cut before a stop
-    string; None without a tokenizer) and why it ended: 'eos', 'stop' or 'length'."""
+    """What one prompt produced: the new token ids (EOS excluded), their text (exactly what the ids add
+    after the prompt's text, leading space included; cut before a stop string; None without a
+    tokenizer) and why it ended: 'eos', 'stop' or 'length'."""
 
     tokens: list[int]
     text: Optional[str]
@@ -191,7 +198,7 @@ class Generator:
                     continue
                 tokens[r].append(tok)
                 if params.stop:
-                    text = self.tokenizer.decode(tokens[r])
+                    text = continuation_text(self.tokenizer, prompts[r], tokens[r])
                     cut = _first_stop(text, params.stop)
                     if cut is not None:
                         texts[r], reasons[r] = text[:cut], "stop"
@@ -203,9 +210,25 @@ class Generator:
         for r in range(n):
             text = texts[r]
             if text is None and self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens[r])
+                text = continuation_text(self.tokenizer, prompts[r], tokens[r])
             result.append(Completion(tokens[r], text, reasons[r] or "length"))
         return result
+
+
+def continuation_text(tokenizer: Any, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text that token ids ``ids`` add after the text of ``prompt`` (both lists of int ids).
+
+    Decoding ``ids`` alone is not that: SentencePiece drops the space of a leading word-boundary piece
+    ("\u2581of" alone decodes to "of"), and a character whose bytes straddle the two is split. So the last
+    few prompt tokens are decoded with ``ids`` and their own text is taken off the front; where the
+    prompt's tail ends inside a character, the text starts with that whole character.
+    """
+    if not ids:
+        return ""
+    context = list(prompt[-CONTEXT_TOKENS:])
+    head = tokenizer.decode(context)
+    full = tokenizer.decode(context + list(ids))
+    return full[len(os.path.commonprefix([head, full])):]
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> Optional[int]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from gdn2.checkpoint.load import DTYPES, read_checkpoint
 from gdn2.commandline import option, parse_options
 from gdn2.config import Config
+from gdn2.tokenizer import Tokenizer
 
 AUTO_MAP = {"AutoConfig": "configuration_gdn2.GDN2Config", "AutoModelForCausalLM": "modeling_gdn2.GDN2ForCausalLM"}
 REMOTE_CODE = ("configuration_gdn2.py", "modeling_gdn2.py", "tokenization_gdn2.py")
@@ -65,16 +66,24 @@ def export(checkpoint: str | Path, out: str | Path, dtype: Optional[str] = None,
     hf_config(found.config, chosen, found.extra).to_json_file(out / "config.json")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(found.tokenizer, out / "tokenizer.model")
+    sp = Tokenizer(found.tokenizer)
+    piece = sp.processor.IdToPiece
+    if sp.eos_id < 0:
+        raise ValueError(f"tokenizer {found.tokenizer}: defines no EOS token, which generation and padding need")
+    # padding uses EOS (the tokenizer has no pad piece): the attention mask hides it, and the generation
+    # config names the same id; on the left, as a decoder-only model is batched for generation
     tokenizer_config = {
         "tokenizer_class": "GDN2Tokenizer",
         "auto_map": {"AutoTokenizer": ["tokenization_gdn2.GDN2Tokenizer", None]},
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+        "bos_token": piece(sp.bos_id) if sp.bos_id >= 0 else None, "eos_token": piece(sp.eos_id),
+        "unk_token": piece(sp.processor.unk_id()), "pad_token": piece(sp.eos_id), "padding_side": "left",
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": found.config.block_size,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2) + "\n")
+    generation = {"bos_token_id": sp.bos_id if sp.bos_id >= 0 else None, "eos_token_id": sp.eos_id,
+                  "pad_token_id": sp.eos_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
 
 

@@ -20,14 +20,17 @@ class Checkpointer:
     skipped steps, which would rotate out older good ones), and on demand (a signal, a stop)."""
 
     def __init__(self, fabric: Any, recipe: Any, model: Any, optimizer: Any, state: Any, loader: Any,
-                 max_steps: int, last: Optional[Path] = None) -> None:
+                 max_steps: int, last: Optional[Path] = None, train_log: Any = None) -> None:
         self.fabric, self.recipe, self.model, self.optimizer = fabric, recipe, model, optimizer
-        self.state, self.loader, self.max_steps = state, loader, max_steps
+        self.state, self.loader, self.max_steps, self.train_log = state, loader, max_steps, train_log
         self.last = last  # the newest checkpoint of this run (the one resumed from, at first)
 
     def save(self) -> Path:
         c = self.recipe.checkpoint
-        trainer = {"model": unwrap(self.model), "optimizer": unwrap(self.optimizer), "trainer": self.state.state_dict()}
+        counters = self.state.state_dict()
+        if self.train_log is not None:  # the open logging interval, continued by a resumed run
+            counters["train_log"] = self.train_log.state_dict()
+        trainer = {"model": unwrap(self.model), "optimizer": unwrap(self.optimizer), "trainer": counters}
         started = time.perf_counter()
         # a full disk is one error on every rank that names the folder, its free space and the last good
         # checkpoint (CheckpointWriteError)

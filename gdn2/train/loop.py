@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from gdn2.train.profile import StepProfiler
 from gdn2.train.recipe import Recipe, TrainPlan, make_plan
 from gdn2.train.schedule import cosine_with_warmup
 from gdn2.train.setup import (build_fabric, build_model_and_optimizer, check_resume_compatible, check_vocabulary,
-                              lock_run_folders, prepare_default_corpus, setup_logging, write_run_info)
+                              cpu_threads, lock_run_folders, prepare_default_corpus, setup_logging, usable_cores,
+                              write_run_info)
 from gdn2.train.slurm import SlurmJob, StopSignals, parse_duration, requeue
 from gdn2.train.validate import LmEvaluator, Validator
 
@@ -120,6 +122,19 @@ def train_step(fabric, model, optimizer, batches, plan: TrainPlan, lr: float, gr
                       requeue_votes=int(requeue_votes), stop_votes=int(stop_votes))
 
 
+def _set_cpu_threads(local_ranks: int, loader_workers: int, rank0: bool) -> None:
+    """This rank's intra-op threads (:func:`gdn2.train.setup.cpu_threads`), said once."""
+    cores = usable_cores()
+    threads = cpu_threads(cores, local_ranks, loader_workers, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if rank0:
+        log.info("CPU threads per rank: %d (%s)", torch.get_num_threads(),
+                 "OMP_NUM_THREADS" if threads is None else
+                 f"{cores} usable cores, {local_ranks} rank(s) on this node, {loader_workers} loader worker(s) each, "
+                 f"one core left free; OMP_NUM_THREADS overrides")
+
+
 def _report_adjusted_settings(recipe: Recipe, plan: TrainPlan, device_type: str) -> None:
     """Recipe values that do not take effect as written, said once at the start."""
     t = recipe.train
@@ -195,6 +210,8 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
     device_type = fabric.device.type
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for whatever runs in fp32
+    elif device_type == "cpu":
+        _set_cpu_threads(fabric.world_size // topology.num_nodes, recipe.data.num_workers, rank0)
     model, optimizer, num_params = build_model_and_optimizer(fabric, recipe)
     device_name = torch.cuda.get_device_name(fabric.device) if device_type == "cuda" else "cpu"
     fpt = flops_per_token(recipe.model, plan.block_size)
@@ -218,6 +235,7 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                                num_workers=recipe.data.num_workers, document_masking=recipe.data.document_masking,
                                eos_id=recipe.data.eos_id, vocab_size=recipe.model.vocab_size)
     state = TrainState()
+    trainer_state: dict = {}
     if resume_path is not None:
         loading = time.perf_counter()
         trainer_state, extras = load_checkpoint(fabric, resume_path, unwrap(model), unwrap(optimizer))
@@ -247,7 +265,6 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                          config=recipe.sections_dict())
     validator = Validator(fabric, model, recipe, metrics, plan.max_steps)
     lm_evaluator = LmEvaluator(fabric, model, recipe, metrics, plan.max_steps)
-    checkpointer = Checkpointer(fabric, recipe, model, optimizer, state, train_loader, plan.max_steps, resume_path)
 
     from tqdm.auto import tqdm
 
@@ -256,6 +273,10 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
                disable=not (rank0 and recipe.logging.progress_bar and sys.stderr.isatty()))
     train_log = TrainLog(metrics, recipe.logging.interval, plan.max_steps, state.step, fabric.world_size, fpt, peak,
                          fabric.device, bar, console=rank0 and bar.disable)
+    if "train_log" in trainer_state:  # absent from checkpoints of earlier versions
+        train_log.load_state_dict(trainer_state["train_log"])
+    checkpointer = Checkpointer(fabric, recipe, model, optimizer, state, train_loader, plan.max_steps, resume_path,
+                                train_log=train_log)
     profiler = StepProfiler(recipe.train.profile_steps, out_dir, fabric.global_rank)
     batches = iter(train_loader)
     last_step_time = 0.0
@@ -309,10 +330,20 @@ def _fit(fabric, recipe: Recipe, plan: TrainPlan, resume: Optional[str], started
             requeued = requeue(slurm)
         fabric.barrier()
     if rank0:
-        log.info("stopped at step %d (%s)%s", state.step, stop_reason, "; job requeued" if requeued else "")
+        log.info("%s", stop_summary(state.step, stop_reason, requeued, checkpointer.last))
         _report_outputs(recipe, metrics, checkpointer.last)
     return FitResult(step=state.step, tokens=state.tokens, stop_reason=stop_reason, checkpoint=checkpointer.last,
                      requeued=requeued, val_losses=validator.last)
+
+
+def stop_summary(step: int, stop_reason: str, requeued: bool, checkpoint: Optional[Path]) -> str:
+    """The line that ends a run: where it stopped and why, and, before the end, how it continues."""
+    text = f"stopped at step {step} ({stop_reason})"
+    if requeued:
+        return text + "; job requeued"
+    if stop_reason != "finished" and checkpoint is not None:
+        text += f"; saved {checkpoint}: the same command with --resume auto continues from it"
+    return text
 
 
 def _skipped(state: TrainState, out: StepOutput, metrics: MetricsLog, recipe: Recipe, last: Optional[Path],

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from gdn2.files import atomic_file, write_text_atomic
+from gdn2.files import write_text_atomic
 
 # Dense (no structured sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s per
 # device. First match wins, so more specific names come first. Lightning's own table lists the
@@ -99,17 +99,9 @@ class MetricsLog:
             self.loggers.append(TensorBoardLogger(root_dir=str(out), name="", version="tensorboard",
                                                   default_hp_metric=False, purge_step=purge))
         if csv:
-            from gdn2.train.fabric_api import CSVLogger
-
-            table = out / "csv" / "metrics.csv"
-            if table.exists():
-                if resume_step is None:
-                    table.unlink()
-                else:
-                    _truncate_csv_after(table, resume_step)
-            self.loggers.append(CSVLogger(root_dir=str(out), name="", version="csv", flush_logs_every_n_steps=1))
+            self.loggers.append(_csv_logger(out, resume_step))
         if wandb:
-            self.loggers.append(_wandb_logger(out / "wandb", wandb_project, wandb_mode, run_name or out.name,
+            self.loggers.append(_wandb_logger(out, wandb_project, wandb_mode, run_name or out.name,
                                               resume_step is not None, config))
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
@@ -141,12 +133,14 @@ class MetricsLog:
         self.loggers = []
 
 
-def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
-    """A Weights & Biases logger in ``folder``; a resumed run continues the W&B run it started."""
+def _wandb_logger(out: Path, project: str, mode: str, name: str, resuming: bool, config: Optional[dict]):
+    """A Weights & Biases logger whose files land in ``out/wandb`` (``offline-run-*``, ``run_id``); a resumed
+    run continues the W&B run it started."""
     try:
         import wandb
     except ImportError:
         raise ValueError("logging.wandb: the wandb package is not installed (pip install wandb)") from None
+    folder = out / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     id_file = folder / "run_id"
     if resuming and id_file.is_file():
@@ -157,24 +151,43 @@ def _wandb_logger(folder: Path, project: str, mode: str, name: str, resuming: bo
         run_id = uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
     # started now: a bad setting fails before training, not at the first log
-    run = wandb.init(project=project, name=name, dir=str(folder), id=run_id, mode=mode, resume="allow",
+    # W&B writes into a "wandb" folder inside the dir it is given: the run folder, so that is out/wandb
+    run = wandb.init(project=project, name=name, dir=str(out), id=run_id, mode=mode, resume="allow",
                      config=config)
     from gdn2.train.wandb_logger import WandbLogger
 
     return WandbLogger(run)
 
 
-def _truncate_csv_after(path: Path, step: int) -> None:
-    import csv
+def _csv_logger(out: Path, resume_step: Optional[int]):
+    """Fabric's CSV logger on ``out/csv/metrics.csv``; a resumed run keeps the rows up to ``resume_step``,
+    a fresh one starts an empty table.
 
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-        fields = list(rows[0].keys()) if rows else []
-    kept = [r for r in rows if r.get("step") not in (None, "") and int(float(r["step"])) <= step]
-    with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(kept)
+    The logger's writer deletes the table it finds when it starts, so the rows to keep are read first
+    and written back through the writer (values as floats, as :meth:`MetricsLog.log` gave them)."""
+    import csv
+    import warnings
+
+    from gdn2.train.fabric_api import CSVLogger
+
+    table = out / "csv" / "metrics.csv"
+    kept: list[tuple[int, dict[str, float]]] = []
+    if resume_step is not None and table.exists():
+        with open(table, newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("step") in (None, "") or int(float(row["step"])) > resume_step:
+                    continue
+                values = {k: float(v) for k, v in row.items() if k != "step" and k is not None and v not in (None, "")}
+                kept.append((int(float(row["step"])), values))
+    logger = CSVLogger(root_dir=str(out), name="", version="csv", flush_logs_every_n_steps=1)
+    with warnings.catch_warnings():
+        # its "previous log files will be deleted" is answered by the rows written back below
+        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+        writer = logger.experiment
+    for step, values in kept:
+        writer.log_metrics(values, step)
+    logger.save()
+    return logger
 
 
 def _truncate_jsonl_after(path: Path, step: int) -> None:
@@ -220,6 +233,15 @@ class TrainLog:
 
     def _reset(self) -> None:
         self.loss, self.steps, self.seconds, self.tokens = 0.0, 0, 0.0, 0
+
+    def state_dict(self) -> dict[str, float]:
+        """The open interval's sums (saved with a checkpoint, so that the first record after a resume
+        covers the whole interval, as in an uninterrupted run)."""
+        return {"loss": self.loss, "steps": self.steps, "seconds": self.seconds, "tokens": self.tokens}
+
+    def load_state_dict(self, d: dict[str, float]) -> None:
+        self.loss, self.steps = float(d["loss"]), int(d["steps"])
+        self.seconds, self.tokens = float(d["seconds"]), int(d["tokens"])
 
     def add(self, loss: float, skipped: bool, seconds: float, tokens: int) -> None:
         self.seconds += seconds

@@ -11,7 +11,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -28,6 +28,54 @@ from gdn2.train.recipe import Recipe
 from gdn2.train.slurm import Topology, resolve_topology
 
 log = logging.getLogger("gdn2.train")
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
+    """Whole cores of the CPU quota of this process's cgroup (a container's limit, which the CPU affinity
+    does not show), rounded up; None without a quota. cgroup v2 ``cpu.max``, else v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``."""
+    import math
+
+    try:
+        text = (root / "cpu.max").read_text().split()
+        quota, period = text[0], text[1]
+    except (OSError, IndexError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity, capped by its cgroup's CPU quota."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    return min(cores, quota) if quota else cores
+
+
+def cpu_threads(cores: int, local_ranks: int, loader_workers: int, env: Mapping[str, str]) -> Optional[int]:
+    """torch's intra-op threads for each rank of a CPU run; None when ``OMP_NUM_THREADS`` is set (then
+    torch follows it).
+
+    Each rank takes its share of the cores, less its data-loader worker processes, and at least one
+    thread (so never more than the cores, unless the ranks alone outnumber them). One core is left out of the shares for what runs beside the ranks' compute (data loading and
+    logging on the main threads, a W&B service, the system): a compute thread preempted by them stalls
+    every parallel region of the step, which on a busy machine made steps 10-30x slower.
+    """
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    share = max(1, cores - 1) // max(1, local_ranks)
+    return max(1, share - max(0, loader_workers))
+
 
 def resolve_accelerator(name: str) -> str:
     if name == "auto":

@@ -468,3 +468,17 @@ def test_val_input_goes_only_to_validation(corpus, tokenizer_model, sp, tmp_path
     with pytest.raises(FileNotFoundError, match="--val_input: no files match"):
         prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "o3", progress=False,
                      val_inputs=[str(tmp_path / "missing*.jsonl")])
+
+
+def test_an_empty_validation_split_is_said_with_what_to_do(corpus, tokenizer_model, tmp_path, capsys):
+    _, documents = corpus
+    _write_jsonl(tmp_path / "train.jsonl", [{"text": t} for t in documents[:20]])
+    manifest = prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "none", workers=1,
+                            progress=False)  # the default --val_fraction 0.0005 picks none of 20 documents
+    assert manifest["tokens"]["val"] == 0 and manifest["tokens"]["train"] > 0  # the shards are still written
+    warning = capsys.readouterr().err
+    assert warning.startswith(f"warning: {tmp_path / 'none'}: the validation split is empty"), warning
+    assert "--val_input" in warning and "--val_fraction (e.g. 0.1)" in warning and len(warning.splitlines()) == 1
+    prep.prepare([str(tmp_path / "train.jsonl")], tokenizer_model, tmp_path / "half", workers=1,
+                 val_fraction=0.5, progress=False)
+    assert capsys.readouterr().err == ""

@@ -131,3 +131,20 @@ def test_a_sweep_names_each_configs_best_rate_from_its_config_yaml(runs, tmp_pat
         {"hybrid_slow", "transformer_1"} if best == "3e-4" else {"hybrid_1", "hybrid_2", "transformer_1"})
     height, width = matplotlib.image.imread(tmp_path / "out" / "compare.png").shape[:2]
     assert width > 2.5 * height  # three panels: the sweep beside the curves
+
+
+def test_the_training_length_line_is_inside_the_extrapolation_axis(runs):
+    import math
+
+    import matplotlib.pyplot as plt
+
+    loaded = [compare.load_run(runs[name]) for name in ("hybrid_1", "transformer_1")]
+    fig = compare.figure(loaded, "tiny")
+    try:
+        extrapolation = fig.axes[1]
+        (line,) = [line for line in extrapolation.get_lines() if line.get_label() == "training length (32 tokens)"]
+        assert list(line.get_xdata()) == [32, 32]
+        low, high = extrapolation.get_xlim()
+        assert math.log2(32 / low) >= 0.4 and math.log2(high / 32) >= 0.4  # well inside, not on an edge
+    finally:
+        plt.close(fig)

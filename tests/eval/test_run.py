@@ -32,3 +32,15 @@ def test_eval_run_names_the_step_and_keeps_earlier_results(artifacts, tmp_path):
     assert nine["step"] == 9 and set(nine["summary"]) == {k for k in seven["summary"] if k.startswith("gdn2_local_mc/")}
     with pytest.raises(ValueError, match="--tasks: unknown task.*no_such_task"):
         run.main(["--checkpoint", str(folder / "model.pt"), "--tasks", "no_such_task", *common])
+
+
+def test_checkpoint_and_tasks_are_required_unless_the_include_path_is_asked(capsys):
+    from gdn2.commandline import run
+    from gdn2.eval import LOCAL_TASKS
+    from gdn2.eval.run import main
+
+    assert run(main, ["--print_include_path"], "gdn2 eval") == 0
+    assert capsys.readouterr().out == f"{LOCAL_TASKS}\n"
+    for argv, missing in ((["--tasks", "gdn2_local"], "--checkpoint"), (["--checkpoint", "x.pt"], "--tasks")):
+        assert run(main, argv, "gdn2 eval") == 2
+        assert f"{missing} is required" in capsys.readouterr().err

@@ -123,3 +123,33 @@ def test_bad_arguments_are_value_errors_and_compile_is_shared(model):
     with pytest.raises(ValueError, match="max_length"):
         Generator(full, max_batch_size=1, max_length=16).generate([[1] * 10], max_new_tokens=8)
     assert Generator(model, compile=True)._block_step is compiled_block_step()  # one per process
+
+
+def test_completion_text_is_what_follows_the_prompt_text_with_its_leading_space(artifacts):
+    """SentencePiece decodes a leading word-boundary piece without its space; the completion's text
+    keeps it (a real tokenizer), also when cut at a stop string during generation."""
+    from gdn2.checkpoint.load import load_model
+
+    folder, tok, _ = artifacts
+    loaded = load_model(folder / "model.pt", device="cpu", dtype="float32")
+    forced = tok.encode("of the same")  # pieces "\u2581of", ...: each starts a word
+    assert tok.processor.IdToPiece(forced[0]).startswith("\u2581") and not tok.decode(forced).startswith(" ")
+    calls = []
+
+    def force_next(module, inputs, out):  # the t-th lm_head call picks forced[t] (then EOS)
+        out = torch.full_like(out, -1e9)
+        out[..., forced[len(calls)] if len(calls) < len(forced) else tok.eos_id] = 1e9
+        calls.append(1)
+        return out
+
+    handle = loaded.model.lm_head.register_forward_hook(force_next)
+    try:
+        gen = Generator(loaded.model, loaded.tokenizer, max_batch_size=1)
+        free = gen.generate(["In the beginning"], max_new_tokens=6)[0]
+        calls.clear()
+        cut = gen.generate(["In the beginning"], max_new_tokens=6, stop=[" the"])[0]
+    finally:
+        handle.remove()
+    assert free.tokens == forced and free.finish_reason == "eos"
+    assert "In the beginning" + free.text == "In the beginning of the same"
+    assert cut.text == " of" and cut.finish_reason == "stop"

@@ -4,8 +4,10 @@ uncached, left padding honoured), runs under lm-eval's own hf model, and export 
 lossless."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from gdn2.config import Config
 from gdn2.hf.convert import export, import_folder, main
 from gdn2.model import GPT
 
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("swa_gdn2_tiny", "gdn2_tiny", "transformer_tiny", "kda_tiny", "gdn_tiny")
 # Gated DeltaNet's tied gate over grouped value heads, doubled (a gate per value head, as b and w)
 OVERRIDES = {"gdn_tiny": dict(gdn2_num_v_heads=8, allow_neg_eigval=True)}
@@ -118,19 +121,64 @@ def test_export_import_export_is_lossless(checkpoints, exported, tmp_path, name)
     assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
 
 
-def test_lm_eval_hf_model_runs_on_the_folder(exported):
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
+@pytest.mark.slow
+def test_a_dev_install_loads_an_export_on_cpu_without_torchao_noise(exported, tmp_path):
+    """torchao (float8's extra, not dev's) is imported by transformers' from_pretrained wherever it is
+    installed, and on a CPU machine prints failed loads of its CUDA libraries and deprecation warnings."""
+    import importlib.util
+    import re
+    import tomllib
 
-    from gdn2.eval.harness import make_task_manager
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in reqs}
+             for extra, reqs in extras.items()}
+    assert "torchao" not in names["dev"] and "torchao" in names["float8"]
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is installed here (the float8 extra)")
+    load = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+            "AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)")
+    proc = subprocess.run([sys.executable, "-c", load, str(exported["swa_gdn2_tiny"])], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if "torchao" in line or "deprecated" in line.lower()]
+    assert not noise, noise
 
-    tasks = ["gdn2_local_mc", "gdn2_local_gen"]
-    lm = HFLM(pretrained=str(exported["swa_gdn2_tiny"]), trust_remote_code=True, dtype="float32", device="cpu",
-              batch_size=2)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=2, task_manager=make_task_manager(tasks),
-                                      bootstrap_iters=0)
-    assert 0.0 <= results["results"]["gdn2_local_mc"]["acc,none"] <= 1.0
-    assert "exact_match,strip" in results["results"]["gdn2_local_gen"]
+
+def test_the_exported_tokenizer_pads_a_batch_with_the_generation_configs_pad_id(exported):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = exported["swa_gdn2_tiny"]
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    pad = GenerationConfig.from_pretrained(folder).pad_token_id
+    batch = tok(["the model", TEXT], padding=True, return_tensors="pt")
+    short = tok("the model").input_ids
+    assert tok.pad_token_id == pad == tok.eos_token_id
+    width = batch.input_ids.shape[1]
+    assert batch.input_ids[0].tolist() == [pad] * (width - len(short)) + short  # on the left, for generation
+    assert batch.attention_mask[0].tolist() == [0] * (width - len(short)) + [1] * len(short)
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_runs_the_folder_with_gdn2s_tasks(exported, tmp_path):
+    """lm-eval's own command line and ``hf`` model on an export, gdn2's task folder given as its
+    --include_path by ``gdn2 eval --print_include_path`` (as the README's command does)."""
+    found = subprocess.run([sys.executable, "-m", "gdn2", "eval", "--print_include_path"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr
+    include = found.stdout.strip()
+    assert (Path(include) / "gdn2_local" / "gdn2_local_mc.yaml").is_file()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+         f"pretrained={exported['swa_gdn2_tiny']},trust_remote_code=True,dtype=float32", "--tasks",
+         "gdn2_local_mc,gdn2_local_gen", "--include_path", include, "--device", "cpu", "--batch_size", "2",
+         "--limit", "2", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(path.read_text())["results"]
+    assert 0.0 <= results["gdn2_local_mc"]["acc,none"] <= 1.0
+    assert "exact_match,strip" in results["gdn2_local_gen"]
 
 
 def test_import_refuses_what_export_did_not_write(tmp_path, capsys):

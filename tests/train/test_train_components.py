@@ -95,3 +95,33 @@ def test_a_checkpoint_from_before_a_model_key_existed_resumes_as_its_default(tmp
     assert check_resume_compatible(recipe, checkpoint, 1) == []
     with pytest.raises(ValueError, match="model.gdn2_erase: checkpoint 'channel', now 'head'"):
         check_resume_compatible(load_recipe("gdn2_tiny", {"model.gdn2_erase": "head"}), checkpoint, 1)
+
+
+@pytest.mark.parametrize("cores, local_ranks, workers, env, expected", [
+    (2, 1, 0, {}, 1),  # a small machine: one core left for the rest
+    (16, 1, 0, {}, 15),
+    (16, 2, 2, {}, 5),  # 15 // 2 ranks, less each rank's 2 loader workers
+    (4, 8, 0, {}, 1),  # more ranks than cores: one thread each
+    (8, 1, 16, {}, 1),
+    (1, 1, 0, {}, 1),  # never more than the cores
+    (64, 1, 0, {"OMP_NUM_THREADS": "4"}, None),  # an explicit setting is torch's to follow
+    (64, 1, 0, {"OMP_NUM_THREADS": ""}, 63),
+])
+def test_cpu_threads_per_rank(cores, local_ranks, workers, env, expected):
+    from gdn2.train.setup import cpu_threads
+
+    assert cpu_threads(cores, local_ranks, workers, env) == expected
+
+
+def test_cgroup_cpu_quota_caps_the_usable_cores(tmp_path):
+    from gdn2.train.setup import cgroup_cpu_quota
+
+    assert cgroup_cpu_quota(tmp_path) is None
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("250000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 3  # v1, rounded up
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 2  # v2 first
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path) is None

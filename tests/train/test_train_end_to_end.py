@@ -248,6 +248,25 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_error(corpus, tmp_path, monk
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]  # the last good one
 
 
+def test_ctrl_c_saves_stops_and_says_how_to_continue(corpus, tmp_path, monkeypatch, caplog):
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=50))
+    real, calls = loop.forward_loss, [0]
+
+    def interrupted_at_the_third_micro_batch(model, batch, chunk_tokens):
+        calls[0] += 1
+        if calls[0] == 3:  # inside step 2: the next step carries every rank's vote, then the run saves and stops
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(model, batch, chunk_tokens)
+
+    monkeypatch.setattr(loop, "forward_loss", interrupted_at_the_third_micro_batch)
+    with caplog.at_level("INFO", logger="gdn2"):
+        result = run_fit(cfg, tmp_path / "run")
+    assert result.stop_reason == "interrupted" and result.step == 3 and read_marker(result.checkpoint)["step"] == 3
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped at step")]
+    assert summary == [f"stopped at step 3 (interrupted); saved {result.checkpoint}: the same command with "
+                       "--resume auto continues from it"]
+
+
 @pytest.mark.slow
 def test_wall_clock_budget_saves_and_exits(corpus, tmp_path):
     cfg = micro_config(corpus, tmp_path, train=dict(max_steps=1000, max_wall_time="4"))
