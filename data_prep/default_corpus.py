@@ -31,6 +31,7 @@ from gdn2.commandline import option, parse_options
 from gdn2.data_prep.prepare import prepare
 from gdn2.data_prep.train_tokenizer import sample_sentences, train_tokenizer
 from gdn2.data.shards import MANIFEST_NAME, read_header
+from gdn2.data.shards import shard_path as shard_path_in  # a shard a manifest lists, inside its folder
 from gdn2.files import atomic_file
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
@@ -87,7 +88,7 @@ def _finished_manifest(output: Path) -> dict | None:
     manifest = json.loads(path.read_text())
     for split in ("train", "val"):
         for shard in manifest["shards"][split]:
-            shard_path = output / shard["name"]
+            shard_path = shard_path_in(output, shard["name"], path)
             if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
                 return None
     return manifest

@@ -54,6 +54,7 @@ import numpy as np
 
 from gdn2.commandline import option, parse_options
 from gdn2.data.shards import CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, token_dtype_for_vocab
+from gdn2.data.shards import shard_path as shard_path_in  # a shard a manifest lists, inside its folder
 from gdn2.files import file_sha256, fsync_dir, write_json_atomic
 
 PARQUET_SUFFIXES = (".parquet",)
@@ -643,7 +644,7 @@ def _manifest_complete(output: Path, fingerprint: str) -> dict | None:
         )
     for split in SPLITS:
         for shard in manifest["shards"][split]:
-            shard_path = output / shard["name"]
+            shard_path = shard_path_in(output, shard["name"], path)
             if not shard_path.exists() or read_header(shard_path)[1] != shard["tokens"]:
                 raise ValueError(f"{shard_path}: listed in {path} but missing or changed; rerun with --overwrite")
     return manifest

@@ -1,0 +1,175 @@
+"""Reading checkpoint files without running code: a pickle may name any function to call while it loads,
+so every pickled file a gdn2 command reads comes through here, and the checksums of a checkpoint's
+marker (which catch damage, not forgery) are not relied on for safety.
+
+- torch files (a consolidated ``model.pt``, a training checkpoint's full ``state``, ``state/meta.pt``,
+  ``ranks/rank-<r>.pt``): ``torch.load(weights_only=True)``, which builds tensors, plain containers
+  (dict, list, tuple, str, numbers, None) and torch's dtypes and sizes, and nothing else
+  (:func:`load_torch_file`).
+- a torch.distributed.checkpoint folder: its ``.metadata`` is a plain pickle that torch 2.13's
+  ``FileSystemReader`` reads with ``pickle.load``; :class:`SafeFileSystemReader` reads it with an
+  unpickler that finds only the classes that file holds (:data:`DCP_METADATA_GLOBALS`: the metadata
+  dataclasses, ``torch.Size``, dtypes, layouts, the path it was saved at) and checks that every storage
+  file it names lies inside the folder. Tensors are read with ``weights_only=True`` by torch itself; the
+  other entries (the optimizer's param groups), which torch's default planner reads with
+  ``weights_only=False``, are read by :class:`SafeLoadPlanner` with ``weights_only=True``.
+
+Anything else raises :class:`UnsafeFileError`, one line naming the file and what it asked to load;
+nothing of it ran. Model folders exported for Hugging Face hold safetensors and JSON, which carry no
+code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Iterable, Union
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+
+class UnsafeFileError(ValueError):
+    """A file that would run code (or reach outside its folder) when loaded; the message names it."""
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error: ([^\n]*)")
+
+
+def _refusal(path: Union[str, Path], what: str) -> UnsafeFileError:
+    return UnsafeFileError(f"{path}: refused to load: it asks for {what}, which is not a tensor, a plain "
+                           "container or a known checkpoint class (loading it could run code; nothing was run). "
+                           "Load only checkpoints you made; a model from others: a consolidated model.pt or "
+                           "safetensors")
+
+
+def _what_torch_refused(error: Exception) -> str:
+    text = str(error)
+    found = _REFUSED_GLOBAL.search(text)
+    if found:
+        return found.group(1)
+    found = _UNPICKLER_ERROR.search(text)
+    return found.group(1).split(". Please")[0] if found else "something torch.load(weights_only=True) refuses"
+
+
+def load_torch_file(path: Union[str, Path], allow: Iterable[Any] = ()) -> Any:
+    """The content of a ``torch.save`` file, read with ``weights_only=True`` onto the CPU; ``allow``:
+    further classes or functions it may hold (torch's ``safe_globals``). UnsafeFileError naming the
+    file when it holds anything else; other read errors (a damaged file) pass through."""
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise _refusal(path, _what_torch_refused(error)) from None
+
+
+def _torch_dtype_names() -> frozenset[str]:
+    return frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
+
+
+# What a torch.distributed.checkpoint ``.metadata`` file written by torch 2.13 holds (found by reading
+# real ones): its dataclasses, and what their fields pickle as. Dtypes (``torch.float32`` ...) are
+# allowed by name on top of these.
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),  # StorageMeta.checkpoint_id: where it was saved
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Finds only :data:`DCP_METADATA_GLOBALS` and torch dtypes: a pickle can call nothing it cannot
+    find, so no other code runs."""
+
+    dtypes = _torch_dtype_names()
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in self.dtypes):
+            return super().find_class(module, name)
+        raise _refusal(self.path, f"{module}.{name}")
+
+
+def read_dcp_metadata(path: Union[str, Path]) -> Any:
+    """A torch.distributed.checkpoint ``.metadata`` file, read without running code: UnsafeFileError
+    naming it for anything but the metadata classes, or a storage file named outside its folder."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f, path).load()
+        except UnsafeFileError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any other failure is a damaged file
+            raise ValueError(f"{path}: not a readable torch.distributed.checkpoint metadata file ({error})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeFileError(f"{path}: refused to load: holds a {type(metadata).__name__}, not checkpoint metadata")
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise UnsafeFileError(f"{path}: refused to load: names the storage file {name!r}, which is not a file "
+                                  f"of its folder {path.parent}")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch.distributed.checkpoint's file-system reader with its ``.metadata`` read by
+    :func:`read_dcp_metadata` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = read_dcp_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's default load planner, but entries that are not tensors are read
+    with ``weights_only=True`` (the default planner uses ``weights_only=False``). ``reader``: the
+    storage reader, to name the file an entry came from."""
+
+    def __init__(self, reader: FileSystemReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        info = self.reader.storage_data.get(read_item.storage_index)
+        where = Path(self.reader.path) / info.relative_path if info is not None else Path(self.reader.path)
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise _refusal(f"{where} (entry {read_item.dest_index.fqn})", _what_torch_refused(error)) from None
+        # hand the parent a fresh serialisation of what was read safely, so that its own weights_only=False
+        # load meets only plain values, and its bookkeeping of where entries go is reused as it is
+        checked = io.BytesIO()
+        torch.save(obj, checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
+def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` of ``folder`` into ``state_dict`` (in place) through the safe
+    reader and planner above."""
+    from torch.distributed.checkpoint import load
+
+    reader = SafeFileSystemReader(str(folder))
+    load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
