@@ -50,8 +50,8 @@ def _refusal(path: Union[str, Path], what: str) -> UnsafeFileError:
 def _what_torch_refused(error: Exception) -> str:
     text = str(error)
     found = _REFUSED_GLOBAL.search(text)
-    if found:
-        return found.group(1)
+    if found:  # torch names a builtin without its module
+        return found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"
     found = _UNPICKLER_ERROR.search(text)
     return found.group(1).split(". Please")[0] if found else "something torch.load(weights_only=True) refuses"
 
@@ -168,8 +168,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``folder`` into ``state_dict`` (in place) through the safe
-    reader and planner above."""
+    reader and planner above; a refusal is raised as the UnsafeFileError it is (torch would wrap it in
+    a many-line CheckpointException, or only its text)."""
     from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    read_dcp_metadata(Path(folder) / ".metadata")  # refused here, whole, before torch reads it again
     reader = SafeFileSystemReader(str(folder))
-    load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    try:
+        load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except CheckpointException as error:
+        refused = [exc for exc, _ in error.failures.values() if isinstance(exc, UnsafeFileError)]
+        if refused:
+            raise refused[0] from None
+        raise

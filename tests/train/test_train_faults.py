@@ -74,6 +74,27 @@ def test_a_flipped_bit_is_named_by_resume_and_consolidate(saved_run, capsys):
     assert not (out / "final").exists()
 
 
+def test_resume_refuses_a_forged_checkpoint_whose_checksums_were_resealed(saved_run, tmp_path):
+    """The checksums catch damage, not forgery: a rank file that would run code when unpickled, with its
+    digest recorded anew, is refused by --resume, naming it, and its code never runs."""
+    cfg, out = saved_run
+    newest = out / "checkpoints" / "step-000000006"
+    ran = tmp_path / "code-ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return exec, (f"open({str(ran)!r}, 'w').close()",)
+
+    torch.save({"data": {}, "rng": RunsCode()}, newest / "ranks" / "rank-00000.pt")
+    marker = checkpoint.read_marker(newest)
+    marker["files"] = checkpoint.digest_files(newest)
+    checkpoint.write_marker(newest, marker)
+    with pytest.raises(ValueError, match=r"step-000000006/ranks/rank-00000.pt: refused to load: it asks for "
+                                         r"builtins.exec"):
+        run_fit(cfg, out, resume="auto", **{"train.max_steps": 8})
+    assert not ran.exists()
+
+
 def test_resume_auto_skips_a_damaged_or_incomplete_newest_checkpoint(saved_run, caplog):
     cfg, out = saved_run
     ckpts = out / "checkpoints"
