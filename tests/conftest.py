@@ -56,3 +56,27 @@ def artifacts(tmp_path_factory):
     from tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)``: a folder on a real file system of ``size`` ("800k", "5m": a tmpfs mounted for
+    the test and unmounted after it), for tests of a full disk. Skips where mounting is impossible
+    (not root, or no mount permission in the container)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)

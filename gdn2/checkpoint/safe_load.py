@@ -37,7 +37,6 @@ class UnsafeFileError(ValueError):
 
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
-_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error: ([^\n]*)")
 
 
 def _refusal(path: Union[str, Path], what: str) -> UnsafeFileError:
@@ -47,24 +46,27 @@ def _refusal(path: Union[str, Path], what: str) -> UnsafeFileError:
                            "safetensors")
 
 
-def _what_torch_refused(error: Exception) -> str:
+def _refused_by_torch(path: Union[str, Path], error: Exception) -> ValueError:
+    """One line for what ``torch.load(weights_only=True)`` refused: UnsafeFileError for a global it would
+    have had to call, ValueError for a file it cannot read as a pickle of tensors at all (damaged)."""
     text = str(error)
     found = _REFUSED_GLOBAL.search(text)
     if found:  # torch names a builtin without its module
-        return found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"
-    found = _UNPICKLER_ERROR.search(text)
-    return found.group(1).split(". Please")[0] if found else "something torch.load(weights_only=True) refuses"
+        return _refusal(path, found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}")
+    after = text.split("WeightsUnpickler error:", 1)[-1]
+    detail = next((line.strip() for line in after.splitlines() if line.strip()), type(error).__name__)
+    return ValueError(f"{path}: not a torch file of tensors and plain values ({detail.split('. Please')[0]})")
 
 
 def load_torch_file(path: Union[str, Path], allow: Iterable[Any] = ()) -> Any:
     """The content of a ``torch.save`` file, read with ``weights_only=True`` onto the CPU; ``allow``:
     further classes or functions it may hold (torch's ``safe_globals``). UnsafeFileError naming the
-    file when it holds anything else; other read errors (a damaged file) pass through."""
+    file when it asks for anything else; ValueError naming it when it is no such file."""
     try:
         with torch.serialization.safe_globals(list(allow)):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise _refusal(path, _what_torch_refused(error)) from None
+        raise _refused_by_torch(path, error) from None
 
 
 def _torch_dtype_names() -> frozenset[str]:
@@ -157,7 +159,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
-            raise _refusal(f"{where} (entry {read_item.dest_index.fqn})", _what_torch_refused(error)) from None
+            raise _refused_by_torch(f"{where} (entry {read_item.dest_index.fqn})", error) from None
         # hand the parent a fresh serialisation of what was read safely, so that its own weights_only=False
         # load meets only plain values, and its bookkeeping of where entries go is reused as it is
         checked = io.BytesIO()
@@ -168,8 +170,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``folder`` into ``state_dict`` (in place) through the safe
-    reader and planner above; a refusal is raised as the UnsafeFileError it is (torch would wrap it in
-    a many-line CheckpointException, or only its text)."""
+    reader and planner above; a refusal is raised as the UnsafeFileError or ValueError it is (torch would
+    wrap it in a many-line CheckpointException, or keep only its text)."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -178,7 +180,7 @@ def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_di
     try:
         load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
     except CheckpointException as error:
-        refused = [exc for exc, _ in error.failures.values() if isinstance(exc, UnsafeFileError)]
+        refused = [exc for exc, _ in error.failures.values() if isinstance(exc, ValueError)]
         if refused:
             raise refused[0] from None
         raise
