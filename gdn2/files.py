@@ -96,6 +96,15 @@ def mount_point(path: Union[str, os.PathLike]) -> Path:
     return path
 
 
+def full_disk_error(error: OSError, writing: Union[str, os.PathLike], kept: str) -> OSError:
+    """For a full disk or quota (ENOSPC, EDQUOT): an OSError of one line naming the disk (its mount point),
+    what was being written and ``kept`` (what is still in place); any other error is returned as it is."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    return OSError(error.errno, f"{error.strerror or os.strerror(error.errno)} on the disk mounted at "
+                                f"{mount_point(writing)} while writing {writing}; nothing partial was left, {kept}")
+
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 

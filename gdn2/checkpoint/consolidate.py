@@ -14,7 +14,6 @@ an export.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -31,7 +30,7 @@ from gdn2.checkpoint.safe_load import SafeFileSystemReader, load_distributed, lo
 from gdn2.checkpoint.state import quiet_single_process
 from gdn2.commandline import option, parse_options
 from gdn2.data.shards import MANIFEST_NAME, read_manifest
-from gdn2.files import atomic_folder, file_sha256, mount_point
+from gdn2.files import atomic_folder, file_sha256, full_disk_error
 from gdn2.tokenizer import TOKENIZER_FILE
 
 MODEL_FILE = "model.pt"
@@ -223,11 +222,8 @@ def write_model_folder(out: Path, blob: dict[str, Any], config_yaml: Optional[st
             if tokenizer_bytes is not None:
                 (tmp / TOKENIZER_FILE).write_bytes(tokenizer_bytes)
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise OSError(error.errno, f"{error.strerror or 'no space left'} on the disk mounted at {mount_point(out)} "
-                                   f"while writing {out / MODEL_FILE}; nothing partial was left, and the last good "
-                                   f"model is {last_good or 'none (there was none)'}") from error
+        raise full_disk_error(error, out / MODEL_FILE,
+                              f"and the last good model is {last_good or 'none (there was none)'}") from error
     return out / MODEL_FILE
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,7 +32,7 @@ from gdn2.checkpoint.consolidate import write_model_folder
 from gdn2.checkpoint.load import DTYPES, read_checkpoint
 from gdn2.commandline import option, parse_options
 from gdn2.config import Config
-from gdn2.files import atomic_folder, file_sha256
+from gdn2.files import atomic_folder, file_sha256, full_disk_error
 from gdn2.tokenizer import TOKENIZER_FILE
 
 AUTO_MAP = {"AutoConfig": "configuration_gdn2.GDN2Config", "AutoModelForCausalLM": "modeling_gdn2.GDN2ForCausalLM"}
@@ -104,16 +106,27 @@ def export(checkpoint: str | Path, out: str | Path, dtype: Optional[str] = None,
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": found.config.block_size,
     }
-    with atomic_folder(out) as tmp:
-        for name in REMOTE_CODE:
-            (tmp / name).write_bytes((HERE / name).read_bytes())
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / TOKENIZER_FILE).write_bytes(tokenizer_bytes)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2) + "\n")
-        hf_config(found.config, chosen, found.extra,
-                  hashlib.sha256(tokenizer_bytes).hexdigest()).to_json_file(tmp / "config.json")
+    earlier = "and the earlier export there is untouched" if out.is_dir() and any(out.iterdir()) else \
+        "and there was no earlier export"
+    try:
+        with atomic_folder(out) as tmp:
+            for name in REMOTE_CODE:
+                (tmp / name).write_bytes((HERE / name).read_bytes())
+            try:
+                save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            except Exception as error:  # noqa: BLE001 - safetensors reports an OS error as its own type, code in text
+                code = re.search(r"os error (\d+)", str(error))
+                if code is None:
+                    raise
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from error
+            (tmp / TOKENIZER_FILE).write_bytes(tokenizer_bytes)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2) + "\n")
+            hf_config(found.config, chosen, found.extra,
+                      hashlib.sha256(tokenizer_bytes).hexdigest()).to_json_file(tmp / "config.json")
+    except OSError as error:
+        raise full_disk_error(error, out, earlier) from error
     return out
 
 

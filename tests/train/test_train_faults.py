@@ -5,6 +5,7 @@ use the temporary directory, a full disk."""
 import errno
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gdn2.checkpoint.format as checkpoint
-from gdn2.data.shards import write_shard
+from gdn2.data.shards import PackedShardReader, write_shard
 from gdn2.checkpoint.consolidate import main as consolidate_main
 from gdn2.checkpoint.format import CorruptCheckpointError, list_checkpoints
 from gdn2.train.loop import fit
@@ -132,6 +133,23 @@ def test_token_ids_beyond_the_vocabulary_name_the_data(corpus, tmp_path):
     (bad / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 300}}))
     with pytest.raises(ValueError, match=r"300-piece tokenizer \(manifest.json\), but model.vocab_size is 256"):
         run_fit(cfg, tmp_path / "run2")
+
+
+def test_a_validation_shard_beyond_the_vocabulary_is_named_before_the_first_step(corpus, tmp_path):
+    """The manifest vouches for the vocabulary, but one id of the validation shard lies beyond it: named
+    before training starts (it ended the run with an IndexError at its first validation)."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    tokens = PackedShardReader(data / "val_0000000000.bin").tokens.copy()
+    tokens[100] = 300  # inside the first validation batch
+    write_shard(data / "val_0000000000.bin", tokens)
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 256}}))
+    cfg = micro_config(corpus, tmp_path, data=dict(train=[str(data)], val=str(data)), eval=dict(interval=1),
+                       checkpoint=dict(interval=1))
+    with pytest.raises(ValueError, match=r"data.val: .*data/val_0000000000.bin: token id 300 at stream offset 100 is "
+                                         r"outside the model's vocabulary of 256"):
+        run_fit(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.slow
