@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from checkpoint_helpers import Boom, make_fabric_model, save, train_a_step
-from gdn2.checkpoint.consolidate import consolidate_checkpoint, write_consolidated
+from gdn2.checkpoint.consolidate import consolidate_checkpoint, find_run_tokenizer, write_consolidated
 from gdn2.checkpoint.consolidate import main as consolidate_main
 from gdn2.checkpoint.format import MARKER, verify_consolidated
 from gdn2.commandline import run
@@ -138,3 +138,15 @@ def test_a_folder_of_other_files_is_not_replaced(tmp_path, capsys):
     status, line = consolidate_in_one_line([checkpoint, "--out", tmp_path / "mine"], capsys)
     assert status == 2 and "mine holds files that are not a consolidated model (notes.txt)" in line
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_a_tokenizer_path_that_leaves_its_folder_is_refused(tmp_path):
+    """Relative paths that a manifest or a saved run config gives are relative to their folder and stay in it."""
+    run_folder = tmp_path / "run"
+    (run_folder / "data").mkdir(parents=True)
+    (run_folder / "data" / "manifest.json").write_text(
+        json.dumps({"tokenizer": {"path": "../../secret", "sha256": "0" * 64}}))
+    with pytest.raises(ValueError, match=r"data/manifest.json: tokenizer.path: '../../secret' leaves its folder"):
+        find_run_tokenizer({"data": {"train": ["data"]}}, [run_folder])
+    with pytest.raises(ValueError, match=r"run config data.tokenizer: '../secret' leaves its folder"):
+        find_run_tokenizer({"data": {"tokenizer": "../secret"}}, [run_folder], sha256="0" * 64)
