@@ -26,7 +26,7 @@ import torch
 from gdn2.checkpoint.format import (CONFIG, STATE, _NAME, bare_state_dict, read_checkpoint_config, read_marker,
                                     verify_checkpoint)
 from gdn2.checkpoint.resume import resume_candidates
-from gdn2.checkpoint.safe_load import SafeFileSystemReader, load_distributed, load_torch_file
+from gdn2.checkpoint.safe_load import load_distributed, load_torch_file, read_dcp_metadata
 from gdn2.checkpoint.state import quiet_single_process
 from gdn2.commandline import option, parse_options
 from gdn2.data.shards import MANIFEST_NAME, read_manifest
@@ -43,7 +43,7 @@ def _load_sharded_model(state_dir: Path) -> dict[str, torch.Tensor]:
     """The model entries of a torch.distributed.checkpoint folder, read in one process (no optimizer)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = SafeFileSystemReader(str(state_dir)).read_metadata()
+    metadata = read_dcp_metadata(state_dir / ".metadata")
     model: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):

@@ -10,9 +10,11 @@ marker (which catch damage, not forgery) are not relied on for safety.
   ``FileSystemReader`` reads with ``pickle.load``; :class:`SafeFileSystemReader` reads it with an
   unpickler that finds only the classes that file holds (:data:`DCP_METADATA_GLOBALS`: the metadata
   dataclasses, ``torch.Size``, dtypes, layouts, the path it was saved at) and checks that every storage
-  file it names lies inside the folder. Tensors are read with ``weights_only=True`` by torch itself; the
+  file it names lies inside the folder (:func:`read_dcp_metadata`, and the reader of
+  :func:`safe_reader_and_planner`). Tensors are read with ``weights_only=True`` by torch itself; the
   other entries (the optimizer's param groups), which torch's default planner reads with
-  ``weights_only=False``, are read by :class:`SafeLoadPlanner` with ``weights_only=True``.
+  ``weights_only=False``, are read by that function's planner with ``weights_only=True``
+  (:func:`load_distributed` uses both).
 
 Anything else raises :class:`UnsafeFileError`, one line naming the file and what it asked to load;
 nothing of it ran. Model folders exported for Hugging Face hold safetensors and JSON, which carry no
@@ -21,6 +23,7 @@ code.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -28,8 +31,6 @@ from pathlib import Path
 from typing import Any, Iterable, Union
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 
 class UnsafeFileError(ValueError):
@@ -128,44 +129,49 @@ def read_dcp_metadata(path: Union[str, Path]) -> Any:
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """torch.distributed.checkpoint's file-system reader with its ``.metadata`` read by
-    :func:`read_dcp_metadata` instead of ``pickle.load``."""
+@functools.lru_cache(maxsize=None)
+def safe_reader_and_planner() -> tuple[type, type]:
+    """(SafeFileSystemReader, SafeLoadPlanner): torch.distributed.checkpoint's file-system reader with its
+    ``.metadata`` read by :func:`read_dcp_metadata` instead of ``pickle.load``, and its default load
+    planner with entries that are not tensors read with ``weights_only=True`` (the default planner uses
+    ``weights_only=False``). Defined on first use: importing torch.distributed.checkpoint takes seconds,
+    which commands that read no such folder should not pay."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            metadata = read_dcp_metadata(Path(self.path) / name)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = read_dcp_metadata(Path(self.path) / name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """``reader``: the storage reader, to name the file an entry came from."""
 
+        def __init__(self, reader: FileSystemReader) -> None:
+            super().__init__()
+            self.reader = reader
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """torch.distributed.checkpoint's default load planner, but entries that are not tensors are read
-    with ``weights_only=True`` (the default planner uses ``weights_only=False``). ``reader``: the
-    storage reader, to name the file an entry came from."""
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            info = self.reader.storage_data.get(read_item.storage_index)
+            where = Path(self.reader.path) / info.relative_path if info is not None else Path(self.reader.path)
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as error:
+                raise _refused_by_torch(f"{where} (entry {read_item.dest_index.fqn})", error) from None
+            # hand the parent a fresh serialisation of what was read safely, so that its own weights_only=False
+            # load meets only plain values, and its bookkeeping of where entries go is reused as it is
+            checked = io.BytesIO()
+            torch.save(obj, checked)
+            checked.seek(0)
+            super().load_bytes(read_item, checked)
 
-    def __init__(self, reader: FileSystemReader) -> None:
-        super().__init__()
-        self.reader = reader
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        info = self.reader.storage_data.get(read_item.storage_index)
-        where = Path(self.reader.path) / info.relative_path if info is not None else Path(self.reader.path)
-        try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise _refused_by_torch(f"{where} (entry {read_item.dest_index.fqn})", error) from None
-        # hand the parent a fresh serialisation of what was read safely, so that its own weights_only=False
-        # load meets only plain values, and its bookkeeping of where entries go is reused as it is
-        checked = io.BytesIO()
-        torch.save(obj, checked)
-        checked.seek(0)
-        super().load_bytes(read_item, checked)
+    return SafeFileSystemReader, SafeLoadPlanner
 
 
 def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_dist: bool = False) -> None:
@@ -176,9 +182,10 @@ def load_distributed(state_dict: dict[str, Any], folder: Union[str, Path], no_di
     from torch.distributed.checkpoint.api import CheckpointException
 
     read_dcp_metadata(Path(folder) / ".metadata")  # refused here, whole, before torch reads it again
-    reader = SafeFileSystemReader(str(folder))
+    reader_class, planner_class = safe_reader_and_planner()
+    reader = reader_class(str(folder))
     try:
-        load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+        load(state_dict, storage_reader=reader, planner=planner_class(reader), no_dist=no_dist)
     except CheckpointException as error:
         refused = [exc for exc, _ in error.failures.values() if isinstance(exc, ValueError)]
         if refused:
