@@ -149,7 +149,8 @@ def recorded_tokenizer(own: Optional[str], checkpoint: Path, run: Optional[dict]
         if digest:
             return digest, str(folder / "run.json")
     for folder, manifest in _manifests(run or {}, bases):
-        digest = (manifest.get("tokenizer") or {}).get("sha256")
+        recorded = manifest.get("tokenizer")
+        digest = recorded.get("sha256") if isinstance(recorded, dict) else None
         if isinstance(digest, str) and digest:
             return digest, str(folder / MANIFEST_NAME)
     return None
