@@ -64,6 +64,7 @@ import numpy as np
 from gdn2.commandline import Stopped, option, parse_options, sigterm_stops
 from gdn2.data.shards import (CODE_OF_DTYPE, HEADER_SIZE, MANIFEST_NAME, pack_header, read_header, read_manifest,
                               token_dtype_for_vocab)
+from gdn2.data.shards import shard_path as shard_path_in  # a shard a manifest lists, inside its folder
 from gdn2.files import FolderLock, file_sha256, fsync_dir, write_json_atomic
 
 PARQUET_SUFFIXES = (".parquet",)
@@ -675,7 +676,7 @@ def check_finished(output: str | os.PathLike, manifest: dict) -> None:
     for split in SPLITS:
         held = 0
         for name, count in listed[split]:
-            shard = output / name
+            shard = shard_path_in(output, name, path)
             if not shard.is_file():
                 raise ValueError(f"{shard}: listed in {path} but missing")
             tokens = read_header(shard)[1]  # also checks that the size matches the header's count

@@ -84,7 +84,8 @@ class GDN2LM(TemplateLM):
     CUDA, fp32 on CPU), ``max_length`` (longest scored window; default the config's block_size),
     ``max_gen_toks`` (default generation budget), ``context_prefix`` ('eos' | 'bos' | 'none'),
     ``cuda_graph`` (decode with CUDA graphs; default on CUDA), ``compile`` (torch.compile the decode
-    step for generate_until; default false).
+    step for generate_until; default false), ``allow_tokenizer_mismatch`` (score with a ``tokenizer=``
+    other than the one the checkpoint's run recorded; default false: refused).
     """
 
     def __init__(self, checkpoint: Optional[str] = None, config: Optional[str] = None,
@@ -92,7 +93,8 @@ class GDN2LM(TemplateLM):
                  max_batch_size: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  max_length: Optional[int] = None, max_gen_toks: int = 256, context_prefix: str = "eos",
                  cuda_graph: Union[bool, str, None] = None, compile: Union[bool, str] = False,
-                 model: Optional[GPT] = None, **unused: Any) -> None:
+                 model: Optional[GPT] = None, allow_tokenizer_mismatch: Union[bool, str] = False,
+                 **unused: Any) -> None:
         super().__init__()
         if unused:
             log.warning("gdn2: ignoring unknown model arguments %s", sorted(unused))
@@ -119,7 +121,9 @@ class GDN2LM(TemplateLM):
             if checkpoint is None:
                 raise ValueError("gdn2 model needs checkpoint=<consolidated file or checkpoint folder>")
             loaded = load_model(checkpoint, config=config, tokenizer=tokenizer, device=self._device,
-                                dtype=parse_dtype(dtype, self._device))
+                                dtype=parse_dtype(dtype, self._device),
+                                allow_tokenizer_mismatch=bool(_as_bool(allow_tokenizer_mismatch,
+                                                                       "allow_tokenizer_mismatch")))
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
             self.checkpoint_path, self.checkpoint_step = loaded.checkpoint, loaded.extra.get("step")
         self.config = self.model.config

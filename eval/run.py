@@ -141,7 +141,10 @@ class EvalOptions:
     print_include_path: bool = option(False, "print the folder of gdn2's task files (lm-eval's --include_path for "
                                              "them) and exit")
     config: Optional[str] = option(None, "config name or YAML path", meaning_of_null="saved with the checkpoint")
-    tokenizer: Optional[str] = option(None, "tokenizer.model", meaning_of_null="found beside the checkpoint")
+    tokenizer: Optional[str] = option(None, "tokenizer.model", meaning_of_null="the run's own, found beside the "
+                                                                              "checkpoint or its data")
+    allow_tokenizer_mismatch: bool = option(False, "score with --tokenizer even when it is not the tokenizer the "
+                                                   "checkpoint's run recorded (its sha256 differs)")
     limit: Optional[float] = option(None, "examples per task: a count, or a fraction below 1", meaning_of_null="all")
     include_path: Optional[str] = option(None, "folder of extra task YAMLs (gdn2's own tasks are always available)")
     batch_size: str = option("auto", "an integer, or auto (32 on CUDA, 4 on CPU)")
@@ -190,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     metadata = niah_metadata(args.max_seq_lengths, args.metadata)
     lm = GDN2LM(checkpoint=str(checkpoint), config=args.config, tokenizer=args.tokenizer,
                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, max_length=args.max_length,
-                context_prefix=args.context_prefix)
+                context_prefix=args.context_prefix, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     window = niah_window(tasks, metadata)
     if args.max_length is None and window and window > lm.max_length:
         lm._max_length = window  # NIAH prompts are never cut (the other tasks then see this window too)

@@ -8,7 +8,8 @@ are parsed from text by :func:`parse_text_value` against the field's type, and d
 
 Flags are spelled with underscores (``--max_new_tokens``); the dashed spelling (``--max-new-tokens``) is
 accepted too. A value is ``--flag value`` or ``--flag=value``; a true/false flag given alone means true;
-a list-typed flag may be repeated (``--input a --input b``). An expected failure (a bad argument, config
+a list-typed flag may be repeated (``--input a --input b``). Values are literal text (a path with ``#``
+in it is that path); only a value starting with ``[`` or ``{`` is read as a YAML flow list or mapping. An expected failure (a bad argument, config
 key or value, a missing or corrupt file, a full disk) is printed as one line, ``<prog>: error:
 <message>``, with exit status 2. ``--debug`` (or ``GDN2_DEBUG=1``) shows the traceback instead. A command
 stopped by Ctrl-C, or by SIGTERM inside :func:`sigterm_stops`, ends with one line too (what was kept), and
@@ -68,7 +69,12 @@ def strip_optional(tp: Any) -> tuple[Any, bool]:
 
 def parse_text_value(raw: str, tp: Any, key: str) -> Any:
     """Turn the text ``raw`` (a command-line value) into a value of field type ``tp``; errors name ``key``.
-    Strings stay literal; lists and mappings are read as YAML flow values (``[1, 2]``)."""
+
+    Text stays literal: a string (and a path, ``data/set #2`` included) is the text as typed; a
+    number or true/false is read as one. Only a value that starts with ``[`` or ``{``, for a list-,
+    mapping- or any-typed field, is read as a YAML flow list or mapping (``[a, b]``, ``{path: x,
+    weight: 2}``; quote an element that holds ``#`` or ``,``: ``['set #2', b]``). Any other value of a
+    list-typed field is that field's one element, read as literal text of the element's type."""
     from gdn2.config import check_type
 
     inner, optional = strip_optional(tp)
@@ -95,15 +101,23 @@ def parse_text_value(raw: str, tp: Any, key: str) -> Any:
     except ValueError:
         kind = {bool: "true/false", int: "an integer", float: "a number"}[inner]
         raise ValueError(f"{key}: expected {kind}, got {raw!r}") from None
+    origin = typing.get_origin(inner)
+    structured = raw.lstrip().startswith(("[", "{"))
+    if origin is list and not structured:
+        (elem,) = typing.get_args(inner) or (Any,)
+        return check_type([parse_text_value(raw, elem, f"{key}[0]")], tp, key)  # --data.train data/x: one element
+    if not structured:
+        return check_type(raw, tp, key)  # literal text; check_type says when the field wants something else
     import yaml
 
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ValueError(f"{key}: cannot parse {raw!r}: {e}") from None
-    if typing.get_origin(inner) is list and isinstance(value, (str, int, float)):
-        value = [value]  # --data.train data/x means a one-element list
-    if typing.get_origin(inner) is list and isinstance(value, list):
+        raise ValueError(f"{key}: cannot parse {raw!r} as a YAML flow list or mapping: "
+                         f"{' '.join(str(e).split())}") from None
+    if origin is list and not isinstance(value, list):
+        value = [value]  # --data.train '{path: x, weight: 2}': one element
+    if origin is list:
         (elem,) = typing.get_args(inner) or (Any,)
         value = [parse_text_value(v, elem, f"{key}[{i}]") if isinstance(v, str) and elem in (int, float) else v
                  for i, v in enumerate(value)]

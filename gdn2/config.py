@@ -57,11 +57,34 @@ def find_config_file(name: str) -> Path:
     raise ValueError(f"unknown config name {name!r}; known names: {', '.join(known_config_names())}")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (PyYAML would keep the last value
+    without a word: a config with ``lr`` twice would train on whichever came last). Keys brought in by
+    a merge (``<<: *base``) may be overridden, as YAML means them to."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                earlier = first_line.get(key)
+            except TypeError:  # an unhashable key: the constructor below reports it
+                continue
+            if earlier is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first at line {earlier})", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
-    """A config file's sections; ValueError naming the file for anything but a YAML mapping."""
+    """A config file's sections; ValueError naming the file (and the line) for anything but a YAML
+    mapping, a key given twice included."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=UniqueKeyLoader)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

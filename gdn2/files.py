@@ -1,5 +1,6 @@
-"""File-system helpers shared by everything that writes or checks files: atomic writes, sha256 digests,
-directory syncs, folder locks. No torch import (the data-preparation workers use them).
+"""File-system helpers shared by everything that writes or checks files: atomic writes of a file or of a
+whole folder, sha256 digests, directory syncs, folder locks, the disk a path is on. No torch import (the
+data-preparation workers use them).
 """
 
 from __future__ import annotations
@@ -9,7 +10,13 @@ import hashlib
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
+import signal
 import socket
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,3 +161,167 @@ class FolderLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def mount_point(path: Union[str, os.PathLike]) -> Path:
+    """The mount point of the file system that holds ``path`` (or would hold it: the nearest existing
+    folder above it is asked), to name the disk in a message."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def full_disk_error(error: OSError, writing: Union[str, os.PathLike], kept: str) -> OSError:
+    """For a full disk or quota (ENOSPC, EDQUOT): an OSError of one line naming the disk (its mount point),
+    what was being written and ``kept`` (what is still in place); any other error is returned as it is."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    return OSError(error.errno, f"{error.strerror or os.strerror(error.errno)} on the disk mounted at "
+                                f"{mount_point(writing)} while writing {writing}; nothing partial was left, {kept}")
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bool:
+    """Swap two directory entries of one file system in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``): False where the system or file system cannot, having changed nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:  # a C library older than glibc 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived while a folder was being written (see :func:`terminate_as_exit`)."""
+
+
+@contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` (exit status 143) in the main thread, so
+    that cleanup code runs; Python's default answer ends the process on the spot, leaving temporary
+    files behind. Elsewhere than in the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[^/]*$")
+
+
+def _put_back(old: Path, target: Path) -> None:
+    """Undo a half-done replacement: the old folder set aside in ``old`` returns to ``target`` when
+    nothing took its place, and ``old`` is removed."""
+    if not target.exists() and (old / target.name).is_dir():
+        os.rename(old / target.name, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Temporary folders of ``target`` left by a process that no longer runs (killed outright); an old
+    folder it had set aside returns to ``target`` when nothing took its place."""
+    if not target.parent.is_dir():
+        return
+    for child in sorted(target.parent.iterdir()):
+        match = _TEMPORARY.match(child.name)
+        if not match or match["name"] != target.name or not child.is_dir():
+            continue
+        pid = int(match["pid"])
+        try:
+            os.kill(pid, 0)
+            alive = pid != os.getpid()
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:  # another user's live process
+            alive = True
+        if alive:
+            continue
+        if ".old-" in child.name:
+            _put_back(child, target)
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _new_folder_beside(target: Path, kind: str) -> Path:
+    """A new empty folder ``.<name>.<kind>-<pid>-<random>`` beside ``target``, with the permissions
+    any new folder gets (``tempfile.mkdtemp`` would make it private, and the rename would keep that)."""
+    while True:
+        folder = target.parent / f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _sync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(folder)
+
+
+@contextmanager
+def atomic_folder(target: Union[str, os.PathLike]) -> Iterator[Path]:
+    """Write a whole folder at once: yields a new empty folder beside ``target``
+    (``.<name>.tmp-<pid>-<random>``) to fill; on a clean exit its files are flushed to disk and it takes
+    ``target``'s place in one step: renamed to ``target``, or, where ``target`` exists, swapped with it
+    atomically (``renameat2``) and the old one then removed. So a reader sees the old folder or the new
+    one whole, never a mix, and a crash leaves the old one in place.
+
+    On an error, Ctrl-C or SIGTERM the temporary folder is removed and ``target`` is untouched; a
+    temporary folder of a process killed outright is removed by the next write of the same target.
+    Where the file system cannot swap (NFS, some parallel file systems), the old folder is first renamed
+    aside (``.<name>.old-<pid>-...``), so a crash between the two renames leaves it there, whole.
+    Deciding whether ``target`` may be replaced is the caller's business."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
+    tmp = _new_folder_beside(target, "tmp")
+    old: Optional[Path] = None
+    try:
+        with terminate_as_exit():
+            yield tmp
+            _sync_tree(tmp)
+            if not target.exists():
+                os.rename(tmp, target)
+            elif exchange_paths(tmp, target):
+                shutil.rmtree(tmp)  # the old folder, now under the temporary name
+            else:
+                old = _new_folder_beside(target, "old")
+                os.replace(target, old / target.name)
+                os.rename(tmp, target)
+                shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            _put_back(old, target)
+        raise
+    fsync_dir(target.parent)

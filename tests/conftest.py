@@ -60,9 +60,9 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """``small_disk(size)``: a real file system of ``size`` (tmpfs, e.g. "3m") mounted on a fresh folder under
-    ``tmp_path``, so writes run into a real ENOSPC; unmounted after the test. Skips where mounting is not
-    allowed (not root, or no mount in a container)."""
+    """``small_disk(size)``: a folder on a real file system of ``size`` ("800k", "5m": a tmpfs mounted for
+    the test and unmounted after it), for tests of a full disk. Skips where mounting is impossible
+    (not root, or no mount permission in the container)."""
     import subprocess
 
     mounted = []

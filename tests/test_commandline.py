@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gdn2.__main__ import main
+from gdn2.files import file_sha256
 
 MICRO = "model: {block_size: 64, vocab_size: 256, n_layer: 2, n_embd: 64, n_head: 2, intermediate_size: 128}\n"
 
@@ -82,6 +84,37 @@ def test_consolidate_and_eval_errors(capsys, tmp_path):
                    "junk.pt", "could not be read")
     one_line_error(capsys, ["compare", str(tmp_path / "empty_run"), "--out", str(tmp_path / "c")],
                    "empty_run/config.yaml: missing")
+
+
+def test_values_are_literal_text_unless_they_start_a_list_or_mapping(tmp_path):
+    """A path with '#' is that path (YAML read it as 'data/set' and a comment, and the run trained on another
+    folder); '[...]' and '{...}' are still YAML flow lists and mappings."""
+    from gdn2.train.recipe import load_recipe
+
+    micro = tmp_path / "micro.yaml"
+    micro.write_text(MICRO)
+    recipe = load_recipe(str(micro), {"data.train": "data/set #2", "eval.length_multipliers": "3"})
+    assert recipe.data.train == ["data/set #2"] and recipe.eval.length_multipliers == [3]
+    recipe = load_recipe(str(micro), {"data.train": "[a, 'set #2']", "eval.length_multipliers": "[1, 2]"})
+    assert recipe.data.train == ["a", "set #2"] and recipe.eval.length_multipliers == [1, 2]
+    assert load_recipe(str(micro), {"data.train": "{path: x, weight: 2}"}).data.train == [{"path": "x", "weight": 2}]
+
+
+def test_generate_eval_and_export_refuse_a_tokenizer_other_than_the_runs(capsys, tmp_path, artifacts, tokenizer):
+    """Another tokenizer turns every id into another piece without an error: refused where the checkpoint
+    records its own (an explicit --allow_tokenizer_mismatch accepts it; tests/checkpoint/test_load.py)."""
+    folder, _, _ = artifacts
+    blob = torch.load(folder / "model.pt", weights_only=True)
+    blob["tokenizer_sha256"] = file_sha256(folder / "tokenizer.model")
+    (tmp_path / "m").mkdir()
+    torch.save(blob, tmp_path / "m" / "model.pt")
+    model = str(tmp_path / "m" / "model.pt")
+    for argv in (["generate", "--checkpoint", model, "--prompt", "x"],
+                 ["eval", "--checkpoint", model, "--tasks", "gdn2_local"],
+                 ["hf", "export", "--checkpoint", model, "--out", str(tmp_path / "hf")]):
+        one_line_error(capsys, argv + ["--tokenizer", str(tokenizer)], f"tokenizer '{tokenizer}'",
+                       "is not the one checkpoint", "--allow_tokenizer_mismatch")
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow

@@ -136,6 +136,17 @@ def test_unknown_key_and_wrong_type_name_the_key(tmp_path):
         Config.from_name(str(p))
 
 
+def test_a_key_given_twice_names_the_file_line_and_key(tmp_path):
+    """YAML would keep the last of two values without a word; a merge key (<<) may still be overridden."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("model:\n  n_layer: 2\n  n_embd: 64\n  n_layer: 4\n")
+    with pytest.raises(ValueError, match=r"twice.yaml: not valid YAML at line 4, column 3: key 'n_layer' given twice "
+                                         r"\(first at line 2\)"):
+        Config.from_name(str(p))
+    p.write_text("base: &base {n_layer: 2, n_embd: 64, n_head: 2}\nmodel:\n  <<: *base\n  n_layer: 4\n")
+    assert Config.from_name(str(p)).n_layer == 4
+
+
 def test_inconsistent_values_rejected():
     with pytest.raises(ValueError, match="gdn2_num_v_heads"):
         Config(gdn2_num_heads=4, gdn2_num_v_heads=6)

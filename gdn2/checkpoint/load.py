@@ -13,9 +13,11 @@ from typing import Any, Optional, Union
 import torch
 import yaml
 
-from gdn2.checkpoint.consolidate import consolidate_checkpoint, find_run_tokenizer
+from gdn2.checkpoint.consolidate import consolidate_checkpoint, find_run_tokenizer, recorded_tokenizer
 from gdn2.checkpoint.format import MARKER, bare_state_dict, is_complete, list_checkpoints, verify_consolidated
+from gdn2.checkpoint.safe_load import UnsafeFileError, load_torch_file
 from gdn2.config import Config
+from gdn2.files import file_sha256
 from gdn2.model import GPT
 from gdn2.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -71,8 +73,24 @@ def _config_from_saved(data: Any, where: str) -> Optional[Config]:
     return None
 
 
+def check_tokenizer(tokenizer: Path, recorded: Optional[tuple[str, str]], checkpoint: Path,
+                    allow_mismatch: bool = False) -> None:
+    """ValueError when ``tokenizer`` is not the one the run of ``checkpoint`` trained with (``recorded``:
+    its sha256 and where that is recorded; None: nothing to compare with), unless ``allow_mismatch``.
+    Another tokenizer of the same size would turn every id into another piece without an error."""
+    if recorded is None or allow_mismatch:
+        return
+    digest = file_sha256(tokenizer)
+    if digest != recorded[0]:
+        raise ValueError(f"tokenizer {str(tokenizer)!r} (sha256 {digest[:12]}...) is not the one checkpoint "
+                         f"{str(checkpoint)!r} was trained with (sha256 {recorded[0][:12]}..., recorded in "
+                         f"{recorded[1]}); pass that tokenizer with --tokenizer, or --allow_tokenizer_mismatch to "
+                         "use this one anyway")
+
+
 def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[str, Config]] = None,
-                    tokenizer: Optional[Union[str, os.PathLike]] = None) -> FoundCheckpoint:
+                    tokenizer: Optional[Union[str, os.PathLike]] = None,
+                    allow_tokenizer_mismatch: bool = False) -> FoundCheckpoint:
     """Find and read a checkpoint, its config and its tokenizer.
 
     ``checkpoint``: a consolidated file (``python -m gdn2 consolidate``: ``{"model": state_dict,
@@ -84,6 +102,11 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
     folders above it. The tokenizer comes from ``tokenizer``, else ``tokenizer.model`` in those
     folders, else the data folders the saved run trained on (their ``tokenizer.model`` or the
     tokenizer their ``manifest.json`` records).
+
+    Where the checkpoint's run recorded its tokenizer's sha256 (the checkpoint itself, the run's
+    ``run.json``, the data's ``manifest.json``), the tokenizer must have it: a found one that does not is
+    passed over, and a given one that does not is a ValueError, unless ``allow_tokenizer_mismatch``.
+    The file is read without running code (UnsafeFileError naming a forged one).
     """
     path = Path(checkpoint)
     if not path.exists():
@@ -101,7 +124,9 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
     else:
         verify_consolidated(path)
         try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
+            blob = load_torch_file(path)
+        except UnsafeFileError:
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
             raise ValueError(f"checkpoint {str(path)!r} could not be read as a torch file: {e}") from e
         if not isinstance(blob, dict):
@@ -142,6 +167,12 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
         raise ValueError(f"checkpoint {str(path)!r}: model config missing: none saved in the checkpoint, none of "
                          f"{looked} exists; pass config=<name or YAML path>")
 
+    # relative data paths in a run config are relative to where the run was started
+    # (or to the checkout holding this package, for the built-in corpus of a run started there)
+    bases = [Path.cwd(), *_search_dirs(path), Path(__file__).resolve().parents[2]]
+    run = next((data for _, data in runs if isinstance(data.get("data"), dict)), None)
+    recorded = recorded_tokenizer(extra.get("tokenizer_sha256"), path, run, bases)
+    digest = recorded[0] if recorded else None
     if tokenizer is not None:
         tok = Path(tokenizer)
         tok = tok / TOKENIZER_FILE if tok.is_dir() else tok
@@ -149,16 +180,17 @@ def read_checkpoint(checkpoint: Union[str, os.PathLike], config: Optional[Union[
             raise FileNotFoundError(f"tokenizer {str(tok)!r} does not exist")
     else:
         candidates = [d / TOKENIZER_FILE for d in _search_dirs(path)]
-        tok = next((c for c in candidates if c.is_file()), None)
+        beside = [c for c in candidates if c.is_file()]
+        tok = next((c for c in beside if digest is None or file_sha256(c) == digest), None)
         if tok is None:
-            # relative data paths in a run config are relative to where the run was started
-            # (or to the checkout holding this package, for the built-in corpus of a run started there)
-            bases = [Path.cwd(), *_search_dirs(path), Path(__file__).resolve().parents[2]]
-            tok = next((t for _, data in runs if (t := find_run_tokenizer(data, bases)) is not None), None)
+            tok = next((t for _, data in runs if (t := find_run_tokenizer(data, bases, digest)) is not None), None)
+        if tok is None and beside:
+            tok = beside[0]  # not the run's own: check_tokenizer below says so
         if tok is None:
             raise FileNotFoundError(
                 f"checkpoint {str(path)!r}: tokenizer missing: none of {', '.join(map(str, candidates))} exists and "
                 "no saved run config leads to one; pass tokenizer=<path to tokenizer.model>")
+    check_tokenizer(tok, recorded, path, allow_tokenizer_mismatch)
     return FoundCheckpoint(path, state, cfg, tok, extra)
 
 
@@ -191,17 +223,19 @@ class LoadedModel:
 
 def load_model(checkpoint: Union[str, os.PathLike], config: Optional[Union[str, Config]] = None,
                tokenizer: Optional[Union[str, os.PathLike]] = None, device: Union[str, torch.device, None] = None,
-               dtype: Union[str, torch.dtype, None] = None) -> LoadedModel:
+               dtype: Union[str, torch.dtype, None] = None, allow_tokenizer_mismatch: bool = False) -> LoadedModel:
     """Model (eval mode), tokenizer and config from a checkpoint (see :func:`read_checkpoint`).
 
     ``dtype``: see :func:`parse_dtype`; the GDN-2 decay parameters ``A_log`` / ``dt_bias`` stay fp32
     as in training. Raises FileNotFoundError / ValueError naming what is missing: the checkpoint, its
-    config or its tokenizer.
+    config or its tokenizer, or a tokenizer that is not the run's (``allow_tokenizer_mismatch``: see
+    :func:`read_checkpoint`).
     """
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     dtype = parse_dtype(dtype, device)
-    found = read_checkpoint(checkpoint, config=config, tokenizer=tokenizer)
+    found = read_checkpoint(checkpoint, config=config, tokenizer=tokenizer,
+                            allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     tok = Tokenizer(found.tokenizer)
     with torch.device("meta"):
         model = GPT(found.config)

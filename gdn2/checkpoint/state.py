@@ -29,16 +29,28 @@ import torch
 from gdn2.checkpoint.format import (CONFIG, RANKS, SHARDED_META, STATE, _gather, bare_state_dict, checkpoint_name,
                                     digest_files, is_complete, list_checkpoints, write_marker)
 from gdn2.checkpoint.resume import prune_checkpoints
+from gdn2.checkpoint.safe_load import load_distributed, load_torch_file
 from gdn2.commandline import told_elsewhere
 from gdn2.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
 
+# Rank files written before the RNG states took a tensor form hold numpy's state as an array: numpy's array
+# reconstruction (a uint32 array from its bytes) is allowed in rank files, and in no other file.
+EARLIER_RANK_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType,
+                        getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct)
+
+
 def rng_state() -> dict[str, Any]:
+    """This process's random states, in a form ``torch.load(weights_only=True)`` reads: Python's is a
+    tuple of ints; numpy's legacy generator state (a tuple holding a uint32 array) becomes a dict whose
+    ``keys`` are an int64 tensor [624]; torch's (and CUDA's) are uint8 tensors."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(position),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -48,7 +60,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["gauss"])
+    np.random.set_state(numpy_state)  # a tuple in rank files written before the dict form
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -68,7 +84,8 @@ def save_checkpoint(fabric: Any, root: Path, step: int, state: dict[str, Any], r
     """Write checkpoint ``step`` under ``root`` atomically; every rank calls this.
 
     ``state``: ``{"model", "optimizer", "trainer": dict}`` (see :func:`save_state`; ``sharded``: its format).
-    ``rank_state``: this rank's picklable extras (data loader, RNG). ``info`` goes into the marker.
+    ``rank_state``: this rank's extras (data loader, RNG), of tensors and plain containers only (they are read
+    back with ``weights_only=True``). ``info`` goes into the marker.
     Afterwards only the newest ``keep_last`` complete checkpoints are kept.
 
     A failure on any rank fails the save on all of them (they agree after each phase): a write refused by
@@ -256,9 +273,9 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
     ranks and another strategy: a sharded state is resharded on load (torch.distributed.checkpoint), a
     full one is read by every rank and each keeps its part; a rank the checkpoint had no file for takes
     rank 0's extras (the data-loader state is the same on every rank; the RNG state then comes from
-    rank 0).
+    rank 0). Every file is read without running code (:mod:`gdn2.checkpoint.safe_load`): a forged one is
+    an UnsafeFileError naming it.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = Path(path)
@@ -269,11 +286,11 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
         model_sd, optim_sd = get_state_dict(module, optim)
         loaded = {"model": model_sd, "optimizer": optim_sd}
         with quiet_single_process():
-            dcp.load(loaded, checkpoint_id=str(state_path))
+            load_distributed(loaded, state_path)
         set_state_dict(module, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
-        trainer = torch.load(state_path / SHARDED_META, map_location="cpu", weights_only=False)["trainer"]
+        trainer = load_torch_file(state_path / SHARDED_META)["trainer"]
     else:
-        blob = torch.load(state_path, map_location="cpu", weights_only=False)
+        blob = load_torch_file(state_path)
         if any(isinstance(key, int) for key in blob["optimizer"].get("state", {})):
             # one file from an earlier version, its optimizer state by parameter index: one device only
             if fabric.world_size > 1:
@@ -289,6 +306,6 @@ def load_checkpoint(fabric: Any, path: Path, model: Any, optimizer: Any) -> tupl
     rank_file = path / RANKS / f"rank-{fabric.global_rank:05d}.pt"
     if not rank_file.is_file():
         rank_file = path / RANKS / "rank-00000.pt"
-    extras = torch.load(rank_file, map_location="cpu", weights_only=False)
+    extras = load_torch_file(rank_file, allow=EARLIER_RANK_GLOBALS)
     return trainer, extras
 

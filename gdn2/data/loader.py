@@ -390,10 +390,15 @@ class ValLoader:
     samples ``(t*W + r)*M + m``, so ranks are disjoint and all yield the same number of batches,
     ``min(num_batches, samples // (W*M))``. A stream too short for one full round still yields one
     batch of ``samples // W`` rows per rank. Batches have ``TrainLoader``'s dict form.
+
+    ``vocab_size``: when given, every token this rank will ever read is checked at construction (it is a
+    bounded prefix of the stream), and an id outside ``[0, vocab_size)`` is a ValueError naming its
+    shard, before any step runs (see :meth:`check_vocabulary`).
     """
 
     def __init__(self, source: str | os.PathLike, block_size: int, micro_batch_size: int, num_batches: int,
-                 rank: int = 0, world_size: int = 1, eos_id: int = 2, document_masking: bool = False):
+                 rank: int = 0, world_size: int = 1, eos_id: int = 2, document_masking: bool = False,
+                 vocab_size: int | None = None):
         block_size, micro_batch_size = _as_int("block_size", block_size, 1), _as_int("micro_batch_size", micro_batch_size, 1)
         world_size = _as_int("world_size", world_size, 1)
         rank, num_batches = _as_int("rank", rank, 0, world_size), _as_int("num_batches", num_batches, 1)
@@ -415,14 +420,31 @@ class ValLoader:
                 f"validation source {str(source)!r} holds {len(self.stream)} tokens = {self.num_samples} "
                 f"samples of block_size + 1 = {block_size + 1}, fewer than one per rank (world_size {world_size})"
             )
+        if vocab_size is not None:
+            self.check_vocabulary(vocab_size)
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        per_round = self.world_size * self.micro_batch_size
+    def _samples(self, t: int) -> np.ndarray:
+        """Sample ids of this rank's batch ``t``."""
+        first = t * self.world_size * self.micro_batch_size + self.rank * self.micro_batch_size
+        return np.arange(first, first + self.micro_batch_size)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError naming the shard when a token this rank reads lies outside ``[0, vocab_size)`` (an
+        embedding lookup would fail on it mid-run: an IndexError on a CPU, a device-side assert on CUDA)."""
         for t in range(self.num_batches):
-            first = t * per_round + self.rank * self.micro_batch_size
-            samples = np.arange(first, first + self.micro_batch_size)
+            samples = self._samples(t)
             rows = _read_samples(self.stream, samples, self.block_size)
+            bad = np.argwhere((rows >= vocab_size) | (rows < 0))
+            if len(bad):
+                row, column = (int(i) for i in bad[0])
+                offset = int(samples[row]) * self.block_size + column
+                raise ValueError(f"{self.stream.shard_at(offset)}: token id {int(rows[row, column])} at stream offset "
+                                 f"{offset} is outside the model's vocabulary of {vocab_size}")
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for t in range(self.num_batches):
+            rows = _read_samples(self.stream, self._samples(t), self.block_size)
             yield _to_batch(rows, self.document_masking, self.eos_id)

@@ -41,6 +41,9 @@ DTYPE_CODES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 CODE_OF_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPE_CODES.items()}
+# Shards hold token ids: the float codes of the format are refused (a float32 shard read as ids would
+# silently train on zeros and garbage).
+TOKEN_DTYPE_CODES = frozenset(code for code, dtype in DTYPE_CODES.items() if dtype.kind in "iu")
 
 # Written by data_prep/prepare.py beside the shards it makes.
 MANIFEST_NAME = "manifest.json"
@@ -72,10 +75,12 @@ def pack_header(dtype: np.dtype | type, count: int) -> bytes:
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write ``tokens`` (1-D, any dtype of ``DTYPE_CODES``) as one shard at ``path``."""
+    """Write ``tokens`` (1-D, an integer dtype of ``DTYPE_CODES``) as one shard at ``path``."""
     tokens = np.ascontiguousarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
     with open(path, "wb") as f:
         f.write(pack_header(tokens.dtype, len(tokens)))
         f.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
@@ -84,8 +89,9 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
 def read_header(path: str | os.PathLike) -> tuple[np.dtype, int]:
     """Validate the header and size of the shard at ``path``; returns ``(dtype, token count)``.
 
-    Raises ValueError naming the file when the magic, version or dtype code is wrong, or when the
-    file size is not exactly header + count * itemsize (a truncated or overlong shard).
+    Raises ValueError naming the file when the magic, version or dtype code is wrong, the dtype is not
+    an integer one (token ids), or the file size is not exactly header + count * itemsize (a truncated
+    or overlong shard).
     """
     path = Path(path)
     size = path.stat().st_size
@@ -101,6 +107,9 @@ def read_header(path: str | os.PathLike) -> tuple[np.dtype, int]:
     if code not in DTYPE_CODES:
         raise ValueError(f"{path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
     dtype = DTYPE_CODES[code]
+    if code not in TOKEN_DTYPE_CODES:
+        raise ValueError(f"{path}: header says {dtype} values (dtype code {code}), not integer token ids; a token "
+                         f"shard holds one of {', '.join(str(DTYPE_CODES[c]) for c in sorted(TOKEN_DTYPE_CODES))}")
     expected = HEADER_SIZE + count * dtype.itemsize
     if size != expected:
         kind = "truncated" if size < expected else "has trailing bytes"
@@ -153,10 +162,18 @@ def find_shards(pattern_or_dir: str | os.PathLike, split: str = "train") -> list
     return matches
 
 
+def shard_path(folder: str | os.PathLike, name: str, manifest: str | os.PathLike) -> Path:
+    """``folder / name`` for a shard ``name`` listed in ``manifest``: ValueError naming the manifest unless
+    the name is a plain file name of that folder (``../../etc/hostname`` is refused, not read)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{manifest}: shard name {name!r} is not a file of its folder {folder}; refused")
+    return Path(folder) / name
+
+
 def read_manifest(pattern_or_dir: str | os.PathLike) -> dict | None:
     """The ``manifest.json`` that ``prepare.py`` wrote beside the shards of a folder (or of the folder
-    a glob pattern points into), or None when there is none. A manifest that is not JSON is an error
-    naming it."""
+    a glob pattern points into), or None when there is none. A manifest that is not JSON, or that lists
+    a shard outside its folder (see :func:`shard_path`), is an error naming it."""
     target = Path(pattern_or_dir).expanduser()
     folder = target if target.is_dir() else target.parent
     path = folder / MANIFEST_NAME
@@ -168,4 +185,8 @@ def read_manifest(pattern_or_dir: str | os.PathLike) -> dict | None:
         raise ValueError(f"{path}: not a readable manifest ({error})") from None
     if not isinstance(manifest, dict):
         raise ValueError(f"{path}: not a readable manifest (expected a JSON object)")
+    shards = manifest.get("shards")
+    for entries in (shards.values() if isinstance(shards, dict) else []):
+        for entry in (entries if isinstance(entries, list) else []):
+            shard_path(folder, entry.get("name") if isinstance(entry, dict) else entry, path)
     return manifest

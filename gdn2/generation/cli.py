@@ -24,7 +24,10 @@ class GenerateOptions:
     checkpoint: str = option(help="consolidated .pt file or training checkpoint directory")
     prompt: list[str] = option(help="repeatable: prompts run as one batch")
     config: Optional[str] = option(None, "config name or YAML path", meaning_of_null="the one saved with the checkpoint")
-    tokenizer: Optional[str] = option(None, f"{TOKENIZER_FILE} path", meaning_of_null="found beside the checkpoint")
+    tokenizer: Optional[str] = option(None, f"{TOKENIZER_FILE} path", meaning_of_null="the run's own, found beside "
+                                                                                     "the checkpoint or its data")
+    allow_tokenizer_mismatch: bool = option(False, "generate with --tokenizer even when it is not the tokenizer the "
+                                                   "checkpoint's run recorded (its sha256 differs)")
     max_new_tokens: int = option(64, "tokens to generate per prompt")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     top_k: int = option(0, "sample among the k likeliest tokens; 0 = all")
@@ -45,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args is None:
         return 0
     loaded = load_model(args.checkpoint, config=args.config, tokenizer=args.tokenizer, device=args.device,
-                        dtype=args.dtype)
+                        dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     gen = Generator(loaded.model, loaded.tokenizer, max_batch_size=len(args.prompt),
                     cuda_graph=False if args.no_cuda_graph else None,
                     compile=False if args.no_compile else args.compile,

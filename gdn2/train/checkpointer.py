@@ -11,6 +11,7 @@ from typing import Any, Optional
 from gdn2.checkpoint.state import rng_state, save_checkpoint
 from gdn2.train.fabric_api import unwrap
 from gdn2.train.schedule import due
+from gdn2.train.setup import tokenizer_sha256
 
 log = logging.getLogger("gdn2.train")
 
@@ -24,6 +25,7 @@ class Checkpointer:
         self.fabric, self.recipe, self.model, self.optimizer = fabric, recipe, model, optimizer
         self.state, self.loader, self.max_steps, self.train_log = state, loader, max_steps, train_log
         self.last = last  # the newest checkpoint of this run (the one resumed from, at first)
+        self.tokenizer_sha256 = tokenizer_sha256(recipe)
 
     def save(self) -> Path:
         c = self.recipe.checkpoint
@@ -38,7 +40,8 @@ class Checkpointer:
             self.fabric, self.recipe.checkpoint_dir, self.state.step, trainer,
             rank_state={"data": self.loader.state_dict(), "rng": rng_state(), "rank": self.fabric.global_rank},
             config_yaml=self.recipe.to_yaml(),
-            info={"tokens": self.state.tokens, "config_name": self.recipe.config_name}, keep_last=c.keep_last,
+            info={"tokens": self.state.tokens, "config_name": self.recipe.config_name,
+                  "tokenizer_sha256": self.tokenizer_sha256}, keep_last=c.keep_last,
             sharded=c.state_dict_type == "sharded")
         if self.fabric.global_rank == 0:
             log.info("saved checkpoint %s in %.1f s", self.last, time.perf_counter() - started)

@@ -254,6 +254,14 @@ def data_identity(source: str) -> dict[str, Any]:
             "tokens": manifest.get("tokens"), "fingerprint": manifest.get("fingerprint")}
 
 
+def tokenizer_sha256(recipe: Recipe) -> Optional[str]:
+    """The sha256 of the tokenizer the training data was made with, as its manifests record it (None
+    when none does, or when the sources disagree): saved in every checkpoint's marker, so that
+    consolidation, export, generation and evaluation can tell the run's own tokenizer from another."""
+    digests = {data_identity(s.path)["tokenizer_sha256"] for s in recipe.train_sources()} - {None}
+    return digests.pop() if len(digests) == 1 else None
+
+
 def write_run_info(out_dir: Path, recipe: Recipe, num_params: int, block_params: int, device_name: str,
                    world_size: int, precision: str, strategy: str) -> None:
     """``run.json`` in the run folder: what ran where, on which data (read by ``eval/compare.py``)."""

@@ -23,7 +23,9 @@ log = logging.getLogger("gdn2.train")
 
 
 def build_val_loaders(recipe: Recipe, rank: int, world_size: int) -> dict[int, ValLoader]:
-    """One finite loader per validation length (``eval.length_multipliers`` x block size)."""
+    """One finite loader per validation length (``eval.length_multipliers`` x block size), each checked
+    against ``model.vocab_size`` like the training data (an id beyond it names its shard here, before
+    the first step, instead of failing the run at its first validation)."""
     e, data = recipe.eval, recipe.data
     if data.val is None or (e.interval == 0 and not e.at_end):
         return {}
@@ -38,6 +40,10 @@ def build_val_loaders(recipe: Recipe, rank: int, world_size: int) -> dict[int, V
         except ValueError as err:
             raise ValueError(f"data.val / eval.length_multipliers: cannot validate at {mult}x = {length} "
                              f"tokens: {err}") from None
+        try:
+            loaders[length].check_vocabulary(recipe.model.vocab_size)
+        except ValueError as err:
+            raise ValueError(f"data.val: {err}") from None
     return loaders
 
 

@@ -3,11 +3,13 @@ the earlier one-file format."""
 
 import errno
 import json
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ import gdn2.checkpoint.state as checkpoint
 from checkpoint_helpers import Boom, make_fabric_model, save, train_a_step
 from gdn2.checkpoint.format import MARKER, list_checkpoints
 from gdn2.checkpoint.resume import resolve_resume
-from gdn2.checkpoint.state import CheckpointWriteError, load_checkpoint
+from gdn2.checkpoint.state import CheckpointWriteError, load_checkpoint, rng_state, set_rng_state
 from gdn2.train.fabric_api import unwrap
 
 
@@ -129,3 +131,31 @@ def test_a_full_disk_on_two_ranks_fails_the_save_on_both_alike(small_disk, tmp_p
         assert "free there of 2.4 MiB" in message
         assert message.endswith(f"The last good checkpoint is {root}/step-000000001")
         assert outcome["entries"] == ["step-000000001"]  # the partial one is gone
+
+
+@pytest.mark.parametrize("form", ["current", "earlier"])
+def test_rank_files_restore_every_random_state_through_the_safe_loader(tmp_path, form):
+    """The RNG states come back exactly from a rank file read with weights_only=True: the current form
+    (numpy's state as a tensor) and the earlier one (numpy's state tuple with its uint32 array)."""
+    fabric, model, optimizer = make_fabric_model()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.standard_normal()  # a cached Gaussian is part of numpy's state
+    states = rng_state() if form == "current" else {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
+    path = save(fabric, model, optimizer, tmp_path / "ckpt", 1)
+    if form == "earlier":
+        torch.save({"data": {"n": 1}, "rng": states}, path / "ranks" / "rank-00000.pt")
+        marker = json.loads((path / MARKER).read_text())
+        del marker["files"]
+        (path / MARKER).write_text(json.dumps(marker))
+    else:
+        path = checkpoint.save_checkpoint(fabric, tmp_path / "ckpt", 2, {"model": unwrap(model),
+                                          "optimizer": unwrap(optimizer), "trainer": {"step": 2}},
+                                          {"rng": states}, "model: {}\n", {}, keep_last=3)
+    _, extras = load_checkpoint(fabric, path, unwrap(model), unwrap(optimizer))
+    set_rng_state(extras["rng"])
+    assert (random.random(), np.random.standard_normal(3).tolist()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])

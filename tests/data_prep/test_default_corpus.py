@@ -3,10 +3,13 @@
 import json
 import os
 
+import numpy as np
+import pytest
 import sentencepiece as spm
 
-from gdn2.data_prep.default_corpus import build_default_corpus, stdlib_sources
+from gdn2.data_prep.default_corpus import build_default_corpus, finished_corpus, stdlib_sources
 from gdn2.data.loader import TrainLoader, ValLoader
+from gdn2.data.shards import write_shard
 
 
 def test_stdlib_sources_are_deterministic_and_capped():
@@ -40,3 +43,19 @@ def test_build_default_corpus_end_to_end_and_rerun_is_a_no_op(tmp_path):
     assert build_default_corpus(out, vocab_size=512, max_bytes=400_000, workers=1, val_fraction=0.1,
                                 shard_tokens=50_000, progress=False) == manifest
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if not p.name.endswith(".lock")} == stamps
+
+
+def test_a_manifest_naming_a_shard_outside_the_folder_is_refused(tmp_path):
+    """The shard names of a finished corpus's manifest are joined to its folder: one that climbs out of it
+    (here to a valid shard elsewhere, which was read and accepted) is refused before anything is read, so
+    the corpus does not count as finished (the build then makes its shards again)."""
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "default"
+    elsewhere.mkdir()
+    out.mkdir()
+    write_shard(elsewhere / "train_0000000000.bin", np.arange(10, dtype=np.uint16))
+    (out / "tokenizer.model").write_bytes(b"")
+    shards = {"train": [{"name": "../elsewhere/train_0000000000.bin", "tokens": 10}], "val": []}
+    (out / "manifest.json").write_text(json.dumps({"shards": shards}))
+    with pytest.raises(ValueError, match=r"default/manifest.json: shard name '../elsewhere/train_0000000000.bin' is "
+                                         r"not a file of its folder"):
+        finished_corpus(out)

@@ -5,8 +5,12 @@ lossless."""
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +194,122 @@ def test_import_refuses_what_export_did_not_write(tmp_path, capsys):
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     assert run(main, ["import", "--model", str(tmp_path / "bert"), "--out", str(tmp_path / "o")], "gdn2 hf") == 2
     assert "model_type 'bert', not a gdn2 model" in capsys.readouterr().err
+
+
+def hf_command(capsys, *argv):
+    """(exit status, stderr) of ``gdn2 hf ARGV``."""
+    from gdn2.commandline import run
+
+    status = run(main, [str(a) for a in argv], "gdn2 hf")
+    return status, capsys.readouterr().err.strip()
+
+
+def files_of(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_export_takes_a_new_or_empty_folder_or_replaces_an_earlier_export_when_told(checkpoints, exported,
+                                                                                     tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    source = checkpoints["swa_gdn2_tiny"]
+    status, line = hf_command(capsys, "export", "--checkpoint", source, "--out", source.parent, "--overwrite")
+    assert status == 2 and f"--out {source.parent} holds the checkpoint being exported" in line
+    assert sorted(p.name for p in source.parent.iterdir()) == ["model.pt", "tokenizer.model"]
+
+    target = shutil.copytree(exported["swa_gdn2_tiny"], tmp_path / "hf")
+    status, line = hf_command(capsys, "export", "--checkpoint", source, "--out", target, "--dtype", "bfloat16")
+    assert status == 2 and f"--out {target} is not empty; pass --overwrite" in line
+    assert load_file(str(target / "model.safetensors"))["lm_head.weight"].dtype == torch.float32
+    assert hf_command(capsys, "export", "--checkpoint", source, "--out", target, "--dtype", "bfloat16",
+                      "--overwrite")[0] == 0
+    assert load_file(str(target / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    status, line = hf_command(capsys, "export", "--checkpoint", source, "--out", tmp_path / "notes", "--overwrite")
+    assert status == 2 and "notes holds files that are not a gdn2 export" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "notes"]  # nothing hidden left behind
+
+
+def test_a_failed_reexport_leaves_the_earlier_export_whole(checkpoints, tmp_path, small_disk, capsys):
+    """Re-exporting in float32 over a bfloat16 export on a disk with room for one of each fails for want of
+    space: one line naming the disk, and the earlier export as it was (it used to get the new config.json
+    over its old weights, which import then accepted)."""
+    disk = small_disk("5m")
+    target = export(checkpoints["swa_gdn2_tiny"], disk / "hf", dtype="bfloat16")
+    before = files_of(target)
+    status, line = hf_command(capsys, "export", "--checkpoint", checkpoints["swa_gdn2_tiny"], "--out", target,
+                              "--overwrite")
+    assert status == 2 and len(line.splitlines()) == 1
+    assert f"No space left on device on the disk mounted at {disk} while writing {target}" in line
+    assert "the earlier export there is untouched" in line
+    assert files_of(target) == before and [p.name for p in disk.iterdir()] == ["hf"]
+    import_folder(target, tmp_path / "back")
+
+
+SIGTERM_WHILE_EXPORTING = """
+import pathlib, sys, time
+import safetensors.torch
+
+write_weights = safetensors.torch.save_file
+
+def write_then_wait(*args, **kwargs):  # a large model takes its time here
+    write_weights(*args, **kwargs)
+    pathlib.Path(sys.argv[3]).touch()
+    time.sleep(300)
+
+safetensors.torch.save_file = write_then_wait
+from gdn2.commandline import run
+from gdn2.hf.convert import main
+sys.exit(run(main, ["export", "--checkpoint", sys.argv[1], "--out", sys.argv[2], "--overwrite"], "gdn2 hf"))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_export_leaves_the_earlier_export_and_no_hidden_file(checkpoints, exported, tmp_path):
+    target = shutil.copytree(exported["swa_gdn2_tiny"], tmp_path / "hf")
+    before = files_of(target)
+    writing = tmp_path / "writing"
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_WHILE_EXPORTING, str(checkpoints["transformer_tiny"]),
+                             str(target), str(writing)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not writing.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert files_of(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "writing"]
+
+
+def test_import_checks_the_weights_against_config_json_naming_file_and_key(exported, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    def variant(tag, config=None, weights=None):
+        folder = shutil.copytree(exported["swa_gdn2_tiny"], tmp_path / tag)
+        if config:
+            (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                             **config}))
+        if weights:
+            weights(folder / "model.safetensors")
+        return folder
+
+    def drop_one(path):
+        state = load_file(str(path))
+        del state["transformer.h.1.mlp.w2.weight"]
+        save_file(state, str(path))
+
+    cases = [
+        (variant("typed", config={"n_layer": "4"}), r"typed/config.json.n_layer: expected an integer, got str '4'"),
+        (variant("wider", config={"intermediate_size": 512}),
+         r"wider/model.safetensors: transformer.h.0.mlp.w1.weight has shape \[384, 128\], config.json calls for "
+         r"\[512, 128\]"),
+        (variant("short", weights=drop_one), r"short/model.safetensors: transformer.h.1.mlp.w2.weight is missing"),
+        (variant("cut", weights=lambda p: p.write_bytes(p.read_bytes()[:100_000])),
+         r"cut/model.safetensors: not a readable safetensors file"),
+    ]
+    for folder, expected in cases:
+        status, line = hf_command(capsys, "import", "--model", folder, "--out", tmp_path / "out")
+        assert status == 2 and re.search(expected, line), (expected, line)
+    assert not (tmp_path / "out").exists()

@@ -2,7 +2,9 @@
 crash in the middle of a save; SLURM signal -> save -> requeue -> resume; non-finite loss skipping;
 wall-clock budget; refusals (other model, used folder)."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +115,17 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
     # a fresh start must not mix with an earlier run's checkpoints
     with pytest.raises(ValueError, match="already holds checkpoints"):
         run_fit(cfg, tmp_path / "split")
+
+
+def test_checkpoints_record_the_sha256_of_the_tokenizer_the_data_was_made_with(corpus, tmp_path):
+    """What consolidation, export, generation and evaluation compare a tokenizer with."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    digest = "ab" * 32
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 256, "sha256": digest}}))
+    cfg = micro_config(corpus, tmp_path, train=dict(max_steps=1), data=dict(train=[str(data)], val=str(data)))
+    result = run_fit(cfg, tmp_path / "run")
+    assert read_marker(result.checkpoint)["tokenizer_sha256"] == digest
 
 
 # The trainer killed (like kill -9) after writing step 4's data and before its marker.

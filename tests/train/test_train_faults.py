@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import gdn2.checkpoint.format as checkpoint
-from gdn2.data.shards import write_shard
+from gdn2.data.shards import PackedShardReader, write_shard
 from gdn2.checkpoint.consolidate import main as consolidate_main
 from gdn2.checkpoint.format import CorruptCheckpointError, list_checkpoints
 from gdn2.commandline import run
@@ -79,6 +81,27 @@ def test_a_flipped_bit_is_named_by_resume_and_consolidate(saved_run, capsys):
     assert not (out / "final").exists()
 
 
+def test_resume_refuses_a_forged_checkpoint_whose_checksums_were_resealed(saved_run, tmp_path):
+    """The checksums catch damage, not forgery: a rank file that would run code when unpickled, with its
+    digest recorded anew, is refused by --resume, naming it, and its code never runs."""
+    cfg, out = saved_run
+    newest = out / "checkpoints" / "step-000000006"
+    ran = tmp_path / "code-ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return exec, (f"open({str(ran)!r}, 'w').close()",)
+
+    torch.save({"data": {}, "rng": RunsCode()}, newest / "ranks" / "rank-00000.pt")
+    marker = checkpoint.read_marker(newest)
+    marker["files"] = checkpoint.digest_files(newest)
+    checkpoint.write_marker(newest, marker)
+    with pytest.raises(ValueError, match=r"step-000000006/ranks/rank-00000.pt: refused to load: it asks for "
+                                         r"builtins.exec"):
+        run_fit(cfg, out, resume="auto", **{"train.max_steps": 8})
+    assert not ran.exists()
+
+
 def test_resume_auto_skips_a_damaged_or_incomplete_newest_checkpoint(saved_run, caplog):
     cfg, out = saved_run
     ckpts = out / "checkpoints"
@@ -116,6 +139,23 @@ def test_token_ids_beyond_the_vocabulary_name_the_data(corpus, tmp_path):
     (bad / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 300}}))
     with pytest.raises(ValueError, match=r"300-piece tokenizer \(manifest.json\), but model.vocab_size is 256"):
         run_fit(cfg, tmp_path / "run2")
+
+
+def test_a_validation_shard_beyond_the_vocabulary_is_named_before_the_first_step(corpus, tmp_path):
+    """The manifest vouches for the vocabulary, but one id of the validation shard lies beyond it: named
+    before training starts (it ended the run with an IndexError at its first validation)."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    tokens = PackedShardReader(data / "val_0000000000.bin").tokens.copy()
+    tokens[100] = 300  # inside the first validation batch
+    write_shard(data / "val_0000000000.bin", tokens)
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": 256}}))
+    cfg = micro_config(corpus, tmp_path, data=dict(train=[str(data)], val=str(data)), eval=dict(interval=1),
+                       checkpoint=dict(interval=1))
+    with pytest.raises(ValueError, match=r"data.val: .*data/val_0000000000.bin: token id 300 at stream offset 100 is "
+                                         r"outside the model's vocabulary of 256"):
+        run_fit(cfg, tmp_path / "run")
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []  # (the folder holds only its lock)
 
 
 @pytest.mark.slow
