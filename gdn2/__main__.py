@@ -22,6 +22,7 @@ COMMANDS = {
     "prepare": ("gdn2.data_prep.prepare", "main", "tokenise a corpus into packed shards"),
     "corpus": ("gdn2.data_prep.default_corpus", "main", "build the built-in corpus (no download)"),
     "consolidate": ("gdn2.checkpoint.consolidate", "main", "turn a training checkpoint into one model.pt"),
+    "mqar": ("gdn2.mqar", "main", "multi-query associative recall: GDN-2, its baselines and attention, a learning-rate sweep"),
     "hf": ("gdn2.hf.convert", "main", "export a checkpoint as a Hugging Face model folder, or import one"),
 }
 

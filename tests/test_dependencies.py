@@ -24,7 +24,7 @@ LEVELS = [
     ["gdn2.options", "gdn2.generation.*", "gdn2.checkpoint.*", "gdn2.data.loader"],
     ["gdn2.eval.*", "gdn2.hf.*", "gdn2.data_prep.*"],
     ["gdn2.train.*"],
-    ["gdn2.study"],
+    ["gdn2.study", "gdn2.mqar"],
     ["gdn2.__main__"],
 ]
 
