@@ -60,6 +60,7 @@ def test_float8_model_is_close_to_full_precision_and_marks_the_right_projections
     assert _loss_and_grads(model, idx)[0] == ref_loss
 
 
+@needs_torchao
 def test_gates_per_head_stay_out_of_float8_in_a_gemm_of_their_own():
     """A gate per head (a GEMM of a few columns) is exempt; the grouped input projections then run as
     one float8 GEMM and one for the exempt gate, which gives that gate exactly its plain projection."""
