@@ -125,14 +125,15 @@ def train_step(fabric, model, optimizer, batches, plan: TrainPlan, lr: float, gr
 def _set_cpu_threads(local_ranks: int, loader_workers: int, rank0: bool) -> None:
     """This rank's intra-op threads (:func:`gdn2.train.setup.cpu_threads`), said once."""
     cores = usable_cores()
-    threads = cpu_threads(cores, local_ranks, loader_workers, os.environ)
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = cpu_threads(cores, local_ranks, loader_workers, os.environ, busy)
     if threads is not None:
         torch.set_num_threads(threads)
     if rank0:
         log.info("CPU threads per rank: %d (%s)", torch.get_num_threads(),
                  "OMP_NUM_THREADS" if threads is None else
-                 f"{cores} usable cores, {local_ranks} rank(s) on this node, {loader_workers} loader worker(s) each, "
-                 f"one core left free; OMP_NUM_THREADS overrides")
+                 f"{cores} usable cores, load average {busy:.1f}, {local_ranks} rank(s) on this node, "
+                 f"{loader_workers} loader worker(s) each; OMP_NUM_THREADS overrides")
 
 
 def _report_adjusted_settings(recipe: Recipe, plan: TrainPlan, device_type: str) -> None:

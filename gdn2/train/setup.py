@@ -62,18 +62,21 @@ def usable_cores() -> int:
     return min(cores, quota) if quota else cores
 
 
-def cpu_threads(cores: int, local_ranks: int, loader_workers: int, env: Mapping[str, str]) -> Optional[int]:
+def cpu_threads(cores: int, local_ranks: int, loader_workers: int, env: Mapping[str, str],
+                busy: float = 0.0) -> Optional[int]:
     """torch's intra-op threads for each rank of a CPU run; None when ``OMP_NUM_THREADS`` is set (then
     torch follows it).
 
-    Each rank takes its share of the cores, less its data-loader worker processes, and at least one
-    thread (so never more than the cores, unless the ranks alone outnumber them). One core is left out of the shares for what runs beside the ranks' compute (data loading and
-    logging on the main threads, a W&B service, the system): a compute thread preempted by them stalls
-    every parallel region of the step, which on a busy machine made steps 10-30x slower.
+    Each rank takes its share of the cores that other work does not already keep busy (``busy``: the
+    machine's load average before the run starts), less its data-loader worker processes, and at least
+    one thread (so never more than the cores, unless the ranks alone outnumber them). A compute thread
+    that has to share its core with other work stalls every parallel region of the step: on a busy
+    machine more threads made steps 10-30x slower, while on an idle one every core is worth having.
     """
     if env.get("OMP_NUM_THREADS", "").strip():
         return None
-    share = max(1, cores - 1) // max(1, local_ranks)
+    free = max(1, cores - int(round(max(0.0, busy))))
+    share = free // max(1, local_ranks)
     return max(1, share - max(0, loader_workers))
 
 

@@ -97,20 +97,21 @@ def test_a_checkpoint_from_before_a_model_key_existed_resumes_as_its_default(tmp
         check_resume_compatible(load_recipe("gdn2_tiny", {"model.gdn2_erase": "head"}), checkpoint, 1)
 
 
-@pytest.mark.parametrize("cores, local_ranks, workers, env, expected", [
-    (2, 1, 0, {}, 1),  # a small machine: one core left for the rest
-    (16, 1, 0, {}, 15),
-    (16, 2, 2, {}, 5),  # 15 // 2 ranks, less each rank's 2 loader workers
-    (4, 8, 0, {}, 1),  # more ranks than cores: one thread each
-    (8, 1, 16, {}, 1),
-    (1, 1, 0, {}, 1),  # never more than the cores
-    (64, 1, 0, {"OMP_NUM_THREADS": "4"}, None),  # an explicit setting is torch's to follow
-    (64, 1, 0, {"OMP_NUM_THREADS": ""}, 63),
+@pytest.mark.parametrize("cores, local_ranks, workers, env, busy, expected", [
+    (2, 1, 0, {}, 0.1, 2),  # an idle small machine: both cores
+    (2, 1, 0, {}, 7.5, 1),  # a busy one: one thread, whatever the load beyond the cores
+    (16, 1, 0, {}, 3.4, 13),  # the cores other work does not keep busy
+    (16, 2, 2, {}, 0.0, 6),  # 16 // 2 ranks, less each rank's 2 loader workers
+    (4, 8, 0, {}, 0.0, 1),  # more ranks than cores: one thread each
+    (8, 1, 16, {}, 0.0, 1),
+    (1, 1, 0, {}, 0.0, 1),  # never more than the cores
+    (64, 1, 0, {"OMP_NUM_THREADS": "4"}, 0.0, None),  # an explicit setting is torch's to follow
+    (64, 1, 0, {"OMP_NUM_THREADS": ""}, 0.0, 64),
 ])
-def test_cpu_threads_per_rank(cores, local_ranks, workers, env, expected):
+def test_cpu_threads_per_rank(cores, local_ranks, workers, env, busy, expected):
     from gdn2.train.setup import cpu_threads
 
-    assert cpu_threads(cores, local_ranks, workers, env) == expected
+    assert cpu_threads(cores, local_ranks, workers, env, busy) == expected
 
 
 def test_cgroup_cpu_quota_caps_the_usable_cores(tmp_path):
