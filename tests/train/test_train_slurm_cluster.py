@@ -19,6 +19,7 @@ from gdn2.checkpoint.format import list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
+from slurm_helpers import job_state, wait_for
 from train_helpers import ROOT
 
 
@@ -35,27 +36,11 @@ def _cluster_idle() -> bool:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _cluster_idle(), reason="no idle SLURM cluster")]
 
 
-def _state(job: str) -> str:
-    """The job's state as the controller reports it (it keeps finished jobs for a few minutes)."""
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    found = [w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")]
-    return found[0] if found else "GONE"
-
-
 def _train_steps(run) -> list[int]:
     try:
         return [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     except (FileNotFoundError, json.JSONDecodeError):
         return []
-
-
-def _wait(what, condition, timeout, log):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; job log:\n{log.read_text()[-4000:] if log.exists() else ''}")
 
 
 def test_usr1_requeue_resume_and_scancel_int(corpus, tmp_path):
@@ -72,25 +57,25 @@ def test_usr1_requeue_resume_and_scancel_int(corpus, tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     job = submitted.stdout.strip().split(";")[0]
     try:
-        _wait("training to run", lambda: max(_train_steps(run), default=0) >= 3, 180, log)
+        wait_for("training to run", lambda: max(_train_steps(run), default=0) >= 3, 180, log)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)  # the warning before the time limit
-        _wait("the requeue", lambda: "job requeued" in (log.read_text() if log.exists() else ""), 120, log)
+        wait_for("the requeue", lambda: "job requeued" in (log.read_text() if log.exists() else ""), 120, log)
         saved = list_checkpoints(run / "checkpoints")
         assert len(saved) == 1
         first_stop = saved[0][0]
-        _wait("the job pending again", lambda: _state(job) == "PENDING", 60, log)
-        _wait("the node free of the first run", _cluster_idle, 60, log)  # or its restart is refused
+        wait_for("the job pending again", lambda: job_state(job) == "PENDING", 60, log)
+        wait_for("the node free of the first run", _cluster_idle, 60, log)  # or its restart is refused
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
-        _wait("the resumed job training", lambda: max(_train_steps(run), default=0) >= first_stop + 5, 180, log)
+        wait_for("the resumed job training", lambda: max(_train_steps(run), default=0) >= first_stop + 5, 180, log)
         subprocess.run(["scancel", "--signal=INT", job], check=True)
-        _wait("the job to end", lambda: _state(job) not in ("RUNNING", "PENDING", "COMPLETING"), 120, log)
+        wait_for("the job to end", lambda: job_state(job) not in ("RUNNING", "PENDING", "COMPLETING"), 120, log)
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     text = log.read_text()
     assert f"resumed from {run / 'checkpoints' / f'step-{first_stop:09d}'}" in text
     assert "(interrupted)" in text and text.count("job requeued") == 1  # Ctrl-C stops without a requeue
-    assert _state(job).startswith("COMPLETED")
+    assert job_state(job).startswith("COMPLETED")
     final = list_checkpoints(run / "checkpoints")[-1][0]
     steps = _train_steps(run)
     assert steps == list(range(1, final + 1))  # every step once: the crashed tail replaced, nothing skipped

@@ -25,6 +25,7 @@ from gdn2.checkpoint.format import list_checkpoints
 from gdn2.train.loop import fit
 from gdn2.train.metrics import read_jsonl
 from gdn2.train.recipe import load_recipe
+from slurm_helpers import job_state, wait_for
 from train_helpers import ROOT
 
 
@@ -41,26 +42,11 @@ def _idle_nodes() -> int:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_idle_nodes() < 2, reason="no two idle SLURM nodes")]
 
 
-def _state(job: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    found = [w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")]
-    return found[0] if found else "GONE"
-
-
 def _losses(run) -> dict[int, float]:
     try:
         return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"}
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-
-
-def _wait(what, condition, timeout, log):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; job log:\n{log.read_text()[-4000:] if log.exists() else ''}")
 
 
 def _ranks(job: str) -> dict[int, int]:
@@ -98,24 +84,24 @@ def test_two_node_job_requeues_resumes_ends_on_a_killed_rank_and_resumes_on_one_
     job = submitted.stdout.strip().split(";")[0]
     try:
         # 1. the warning signal: save, requeue, and the requeued job resumes on the two nodes
-        _wait("training to run", lambda: max(_losses(run), default=0) >= 3, 300, log)
+        wait_for("training to run", lambda: max(_losses(run), default=0) >= 3, 300, log)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        _wait("the requeue", lambda: "job requeued" in (log.read_text() if log.exists() else ""), 180, log)
+        wait_for("the requeue", lambda: "job requeued" in (log.read_text() if log.exists() else ""), 180, log)
         (saved,) = list_checkpoints(run / "checkpoints")
         first_stop = saved[0]
-        _wait("the job pending again", lambda: _state(job) == "PENDING", 120, log)
-        _wait("both nodes free of the first run", lambda: _idle_nodes() == 2, 120, log)
+        wait_for("the job pending again", lambda: job_state(job) == "PENDING", 120, log)
+        wait_for("both nodes free of the first run", lambda: _idle_nodes() == 2, 120, log)
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
-        _wait("the resumed job training", lambda: max(_losses(run), default=0) >= first_stop + 3, 300, log)
+        wait_for("the resumed job training", lambda: max(_losses(run), default=0) >= first_stop + 3, 300, log)
 
         # 2. one training process killed: the job ends within seconds, with one line
         ranks = _ranks(job)
         assert sorted(ranks) == [0, 1, 2, 3], ranks
         killed = time.monotonic()
         os.kill(ranks[3], signal.SIGKILL)
-        _wait("the job to end", lambda: _state(job) not in ("RUNNING", "CONFIGURING"), 120, log)
-        _wait("every rank gone", lambda: not _ranks(job), 60, log)
+        wait_for("the job to end", lambda: job_state(job) not in ("RUNNING", "CONFIGURING"), 120, log)
+        wait_for("every rank gone", lambda: not _ranks(job), 60, log)
         took = time.monotonic() - killed
     finally:
         subprocess.run(["scancel", job], capture_output=True)
