@@ -23,15 +23,16 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /workspace/gdn2
 
-# Dependencies first (torch and triton come with the base image and satisfy pyproject's bounds),
-# so that editing the code does not reinstall them.
-COPY pyproject.toml README.md ./
-COPY gdn2/__init__.py gdn2/
-RUN pip install -e .
+# Dependencies first, read from pyproject.toml (torch and triton come with the base image and satisfy its
+# bounds), so that editing the code does not reinstall them.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
 
 COPY . .
 RUN pip install --no-deps -e . \
-    && python -c "import gdn2.train.loop, gdn2.model, gdn2.data"
+    && python -c "import gdn2.train.loop, gdn2.model, gdn2.data_prep.prepare, gdn2.eval.run; from gdn2.config import Config; Config.from_name('swa_gdn2_1.3B')"
 
 ENTRYPOINT ["python", "pretrain/main.py"]
 CMD ["--help"]

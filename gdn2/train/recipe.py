@@ -1,6 +1,6 @@
 """The training recipe: every non-model section of a named config, CLI overrides, the derived plan.
 
-A named config (``gdn2/configs/<name>.yaml``) holds the ``model`` section (``gdn2.config.Config``) and the
+A named config (``configs/<name>.yaml``) holds the ``model`` section (``gdn2.config.Config``) and the
 sections below, one dataclass each. ``--section.key value`` on the command line overrides one key.
 Everything is validated before any work starts; errors name the offending key.
 """
