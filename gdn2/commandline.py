@@ -246,6 +246,35 @@ def parse_options(cls: type[T], argv: Sequence[str], prog: str, description: str
     return cls(**values)
 
 
+def list_items(text: str) -> list[str]:
+    """The items of a list flag's text, separated by commas or spaces (``"3e-4,1e-3"``, ``"3e-4 1e-3"``)."""
+    return text.replace(",", " ").split()
+
+
+def parse_numbers(text: str, flag: str, kind: type = float, least: int = 1) -> list:
+    """The distinct numbers of a list flag's text (see :func:`list_items`): floats finite and positive, or
+    ints of at least ``least``; ValueError naming ``flag`` for anything else, a number given twice, or
+    none at all."""
+    import math
+
+    values: list = []
+    for word in list_items(text):
+        try:
+            value = kind(word)
+        except ValueError:
+            raise ValueError(f"{flag}: expected {'integers' if kind is int else 'numbers'}, got {word!r}") from None
+        if kind is int and value < least:
+            raise ValueError(f"{flag}: must be {'positive' if least == 1 else f'>= {least}'}, got {value}")
+        if kind is float and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag}: must be positive, got {word!r}")
+        if value in values:
+            raise ValueError(f"{flag}: {word} is given twice")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{flag}: give at least one value")
+    return values
+
+
 def _checked(f: dataclasses.Field, value: Any, key: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:

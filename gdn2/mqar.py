@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gdn2.commandline import option, parse_options
+from gdn2.commandline import list_items, option, parse_numbers, parse_options
 from gdn2.config import MAX_HEAD_DIM, Config
 from gdn2.layers.attention import CausalSelfAttention
 from gdn2.layers.gdn2 import GatedDeltaNet2
@@ -314,41 +314,15 @@ class Settings:
                 "test_examples": self.test_examples, "precision": self.precision}
 
 
-def _ints(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag}: give at least one value")
-    return values
-
-
-def _int(flag: str, text: str, least: int = 1) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < least:
-        raise ValueError(f"{flag}: expected an integer >= {least}, got {text!r}")
+def _at_least(flag: str, value: int, least: int = 1) -> int:
+    if value < least:
+        raise ValueError(f"{flag}: expected an integer >= {least}, got {value}")
     return value
-
-
-def _floats(flag: str, text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
-        raise ValueError(f"{flag}: expected positive numbers, got {text!r}")
-    return values
 
 
 def _shapes(flag: str, text: str) -> tuple[Shape, ...]:
     shapes = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
+    for item in list_items(text):
         try:
             shape = Shape.parse(item)
         except ValueError:
@@ -391,22 +365,19 @@ def _device(text: str) -> str:
 def resolve_settings(args: "MqarOptions") -> Settings:
     """Settings from the preset and the flags given; ValueError naming the flag for a bad value."""
     preset = PRESETS[args.preset]
-    vocab_size = _int("--vocab_size", args.vocab_size, least=4) if args.vocab_size else 8192
-    names = (tuple(dict.fromkeys(m.strip() for m in args.mixers.split(",") if m.strip())) if args.mixers
-             else preset["mixers"])
+    vocab_size = _at_least("--vocab_size", args.vocab_size, least=4) if args.vocab_size is not None else 8192
+    names = tuple(dict.fromkeys(list_items(args.mixers))) if args.mixers else preset["mixers"]
     unknown = [m for m in names if m not in MIXERS]
     if unknown or not names:
         raise ValueError(f"--mixers: unknown mixer {', '.join(unknown) or '(none given)'}; "
                          f"the table has {', '.join(MIXERS)}")
     mixers = list(names)
-    widths = _ints("--widths", args.widths) if args.widths else preset["widths"]
+    widths = parse_numbers(args.widths, "--widths", int) if args.widths else preset["widths"]
     for w in widths:
-        if w <= 0:
-            raise ValueError(f"--widths: widths must be positive, got {w}")
         if w % 32 or w // 2 > MAX_HEAD_DIM:
             raise ValueError(f"--widths: {w} is not a multiple of 32 up to {2 * MAX_HEAD_DIM} (two heads of width / 2, "
                              "a multiple of 16 that the kernels take)")
-    window = _int("--window", args.window) if args.window else 64
+    window = _at_least("--window", args.window) if args.window is not None else 64
     train = _check_shapes("--train_shapes", _shapes("--train_shapes", args.train_shapes) if args.train_shapes
                           else preset["train_shapes"], vocab_size)
     test = _check_shapes("--test_shapes", _shapes("--test_shapes", args.test_shapes) if args.test_shapes
@@ -415,13 +386,14 @@ def resolve_settings(args: "MqarOptions") -> Settings:
         raise ValueError(f"--out: {args.out} exists and is not a folder")
     device = _device(args.device or preset["device"])
     return Settings(
-        mixers=tuple(mixers), widths=tuple(dict.fromkeys(widths)),
-        lrs=tuple(dict.fromkeys(_floats("--lrs", args.lrs) if args.lrs else preset["lrs"])),
-        steps=_int("--steps", args.steps) if args.steps else preset["steps"],
-        batch_size=_int("--batch_size", args.batch_size) if args.batch_size else preset["batch_size"],
+        mixers=tuple(mixers), widths=tuple(widths),
+        lrs=tuple(parse_numbers(args.lrs, "--lrs") if args.lrs else preset["lrs"]),
+        steps=_at_least("--steps", args.steps) if args.steps is not None else preset["steps"],
+        batch_size=_at_least("--batch_size", args.batch_size) if args.batch_size is not None else preset["batch_size"],
         train_shapes=train, test_shapes=test,
-        test_examples=_int("--test_examples", args.test_examples) if args.test_examples else preset["test_examples"],
-        seed=_int("--seed", args.seed, least=0) if args.seed is not None else 0, vocab_size=vocab_size,
+        test_examples=(_at_least("--test_examples", args.test_examples) if args.test_examples is not None
+                       else preset["test_examples"]),
+        seed=_at_least("--seed", args.seed, least=0) if args.seed is not None else 0, vocab_size=vocab_size,
         window=window, device=device, out=args.out)
 
 
@@ -702,8 +674,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 @dataclass(kw_only=True)
 class MqarOptions:
-    """The flags of ``python -m gdn2 mqar``: text, checked and parsed by :func:`resolve_settings` (a list
-    flag is comma-separated)."""
+    """The flags of ``python -m gdn2 mqar``, checked by :func:`resolve_settings` (a list flag's items are
+    separated by commas or spaces)."""
 
     preset: str = option("cpu", "cpu: width 64, rates 3e-3 and 1e-2, 600 steps of 16 sequences of 64:4 on the CPU "
                                 "(about 4 minutes on 2 cores); full: widths 64,128,256, rates 1e-4..1e-2, 8000 steps of "
@@ -713,17 +685,17 @@ class MqarOptions:
     widths: Optional[str] = option(None, "comma-separated model widths (d_model), multiples of 32",
                                    meaning_of_null="the preset's")
     lrs: Optional[str] = option(None, "comma-separated peak learning rates (the sweep)", meaning_of_null="the preset's")
-    steps: Optional[str] = option(None, "optimizer steps per run", meaning_of_null="the preset's")
-    batch_size: Optional[str] = option(None, "sequences per step", meaning_of_null="the preset's")
+    steps: Optional[int] = option(None, "optimizer steps per run", meaning_of_null="the preset's")
+    batch_size: Optional[int] = option(None, "sequences per step", meaning_of_null="the preset's")
     train_shapes: Optional[str] = option(None, "comma-separated LENGTH:PAIRS trained on in turn (full: 64:4,128:8,"
                                                "256:16,256:32,256:64)", meaning_of_null="the preset's")
     test_shapes: Optional[str] = option(None, "comma-separated LENGTH:PAIRS tested (full: the training shapes and "
                                               "512:64,512:128,1024:256)", meaning_of_null="the preset's")
-    test_examples: Optional[str] = option(None, "test sequences per shape", meaning_of_null="the preset's")
-    window: Optional[str] = option(None, "keys a sliding-window attention query sees", meaning_of_null="64")
-    vocab_size: Optional[str] = option(None, "vocabulary: keys from the lower half, values from the upper",
+    test_examples: Optional[int] = option(None, "test sequences per shape", meaning_of_null="the preset's")
+    window: Optional[int] = option(None, "keys a sliding-window attention query sees", meaning_of_null="64")
+    vocab_size: Optional[int] = option(None, "vocabulary: keys from the lower half, values from the upper",
                                        meaning_of_null="8192")
-    seed: Optional[str] = option(None, "seed of the data (training and test) and of the initialisation",
+    seed: Optional[int] = option(None, "seed of the data (training and test) and of the initialisation",
                                  meaning_of_null="0")
     device: Optional[str] = option(None, "auto (CUDA when present), cpu, cuda or cuda:N",
                                    meaning_of_null="the preset's: cpu for cpu, auto for full")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gdn2.checkpoint.format import list_checkpoints
-from gdn2.commandline import option, parse_options
+from gdn2.commandline import list_items, option, parse_numbers, parse_options
 from gdn2.eval.compare import CompareError, best_rates, compare, load_run, rate_label
 from gdn2.eval.paper_tables import NIAH_TASKS
 
@@ -120,46 +120,6 @@ class PlannedRun:
 # options
 
 
-def _words(text: str) -> list[str]:
-    return text.replace(",", " ").split()
-
-
-def _rates(text: str, flag: str) -> list[float]:
-    """Distinct positive numbers from ``text`` (separated by spaces or commas); ValueError naming ``flag``."""
-    values: list[float] = []
-    for word in _words(text):
-        try:
-            value = float(word)
-        except ValueError:
-            raise ValueError(f"{flag}: expected numbers, got {word!r}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag}: must be positive, got {word!r}")
-        if value in values:
-            raise ValueError(f"{flag}: {word} is given twice")
-        values.append(value)
-    if not values:
-        raise ValueError(f"{flag}: give at least one value")
-    return values
-
-
-def _integers(text: str, flag: str, minimum: int) -> list[int]:
-    """Distinct integers >= ``minimum`` from ``text`` (separated by spaces or commas); ValueError naming ``flag``."""
-    values: list[int] = []
-    for word in _words(text):
-        try:
-            value = int(word)
-        except ValueError:
-            raise ValueError(f"{flag}: expected integers, got {word!r}") from None
-        if value < minimum:
-            raise ValueError(f"{flag}: must be >= {minimum}, got {value}")
-        if value in values:
-            raise ValueError(f"{flag}: {word} is given twice")
-        values.append(value)
-    if not values:
-        raise ValueError(f"{flag}: give at least one value")
-    return values
-
-
 def trainer_overrides(argv: Sequence[str]) -> dict[str, str]:
     """The ``--section.key value`` overrides after ``--``; ValueError for anything else there and for a key
     one of the study's options sets."""
@@ -212,7 +172,7 @@ class Study:
         self.data = Path(options.data).resolve()
         self.out = Path(options.out).resolve()
         self.tasks = [t.strip() for t in options.tasks.split(",") if t.strip()]
-        self.niah_lengths = _integers(options.niah, "--niah", 1) if _words(options.niah) else []
+        self.niah_lengths = parse_numbers(options.niah, "--niah", int) if list_items(options.niah) else []
         check_data(self.data, need_tokenizer=bool(self.tasks or self.niah_lengths))
         if options.steps is not None and options.tokens is not None:
             raise ValueError("give --steps or --tokens, not both")
@@ -221,12 +181,12 @@ class Study:
                             ("--niah_samples", options.niah_samples)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag}: must be positive, got {value}")
-        self.models = _words(options.models) if options.models is not None else [
+        self.models = list_items(options.models) if options.models is not None else [
             f"{kind}_{options.size}" for kind in ("swa_gdn2", "gdn2", "transformer")]
         if not self.models:
             raise ValueError("--models: give at least one config")
-        self.lrs = _rates(options.lrs, "--lrs")
-        self.seeds = _integers(options.seeds, "--seeds", 0)
+        self.lrs = parse_numbers(options.lrs, "--lrs")
+        self.seeds = parse_numbers(options.seeds, "--seeds", int, least=0)
         self.deadline = time.time() + parse_duration(options.wall_time) if options.wall_time else None
         haystack = options.niah_haystack or default_haystack(self.data)
         self.niah_metadata = {"num_samples": options.niah_samples, **({"haystack": haystack} if haystack else {})}
