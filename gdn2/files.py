@@ -13,14 +13,14 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional, Union
+
+from gdn2.commandline import sigterm_stops
 
 log = logging.getLogger(__name__)
 
@@ -207,29 +207,6 @@ def exchange_paths(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bo
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
-class Terminated(SystemExit):
-    """SIGTERM arrived while a folder was being written (see :func:`terminate_as_exit`)."""
-
-
-@contextmanager
-def terminate_as_exit() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` (exit status 143) in the main thread, so
-    that cleanup code runs; Python's default answer ends the process on the spot, leaving temporary
-    files behind. Elsewhere than in the main thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise Terminated(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[^/]*$")
 
 
@@ -296,8 +273,9 @@ def atomic_folder(target: Union[str, os.PathLike]) -> Iterator[Path]:
     atomically (``renameat2``) and the old one then removed. So a reader sees the old folder or the new
     one whole, never a mix, and a crash leaves the old one in place.
 
-    On an error, Ctrl-C or SIGTERM the temporary folder is removed and ``target`` is untouched; a
-    temporary folder of a process killed outright is removed by the next write of the same target.
+    On an error, Ctrl-C or SIGTERM (raised as ``gdn2.commandline.Stopped``) the temporary folder is removed
+    and ``target`` is untouched; a temporary folder of a process killed outright is removed by the next
+    write of the same target.
     Where the file system cannot swap (NFS, some parallel file systems), the old folder is first renamed
     aside (``.<name>.old-<pid>-...``), so a crash between the two renames leaves it there, whole.
     Deciding whether ``target`` may be replaced is the caller's business."""
@@ -307,7 +285,7 @@ def atomic_folder(target: Union[str, os.PathLike]) -> Iterator[Path]:
     tmp = _new_folder_beside(target, "tmp")
     old: Optional[Path] = None
     try:
-        with terminate_as_exit():
+        with sigterm_stops():  # a terminated write unwinds through the cleanup below
             yield tmp
             _sync_tree(tmp)
             if not target.exists():
