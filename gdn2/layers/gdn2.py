@@ -342,8 +342,9 @@ class FusedGDN2:
     def of(cls, layer: "GatedDeltaNet2") -> "FusedGDN2":
         """New buffers in this layout, filled from ``layer``'s parameters (in their dtype and device)."""
         ref, first = layer.q_proj.weight, layer.input_projections()
-        names = ("q_proj", "k_proj", "v_proj", "b_proj", "w_proj", "f_proj.0", "g_proj.0", "f_proj.1", "g_proj.1")
-        for name, lin in zip(names, first + [layer.f_proj[1], layer.g_proj[1]]):
+        names = {id(module): name for name, module in layer.named_modules()}  # w_proj is absent when tied
+        for lin in first + [layer.f_proj[1], layer.g_proj[1]]:
+            name = names[id(lin)]
             if lin.weight.dtype != ref.dtype or lin.weight.device != ref.device:
                 raise ValueError(f"layer {layer.layer_idx}: {name}.weight is {lin.weight.dtype} on "
                                  f"{lin.weight.device}, q_proj.weight {ref.dtype} on {ref.device}: the fused "
