@@ -6,6 +6,8 @@ from pathlib import Path
 # Test tensors are tiny: one thread per process (this one, and the trainers and ranks the tests start)
 # avoids oversubscribing small CI machines.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The multi-process tests' ranks talk over gloo on the loopback interface only.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
