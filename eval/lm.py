@@ -161,6 +161,14 @@ class GDN2LM(TemplateLM):
     def max_length(self) -> int:
         return self._max_length
 
+    @max_length.setter
+    def max_length(self, length: int) -> None:
+        """A longer (or shorter) window to score and generate in; a generator made for the old one goes."""
+        if length < 2:
+            raise ValueError(f"max_length must be >= 2, got {length}")
+        self.release()
+        self._max_length = int(length)
+
     @property
     def device(self) -> torch.device:
         return self._device

@@ -196,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 context_prefix=args.context_prefix, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     window = niah_window(tasks, metadata)
     if args.max_length is None and window and window > lm.max_length:
-        lm._max_length = window  # NIAH prompts are never cut (the other tasks then see this window too)
+        lm.max_length = window  # NIAH prompts are never cut (the other tasks then see this window too)
     metadata = {"tokenizer": str(lm.tokenizer.path), **metadata}  # the NIAH prompts are sized with it
     manager = make_task_manager(tasks, args.include_path, metadata=metadata)
     unknown = [t for t in tasks if t not in manager.all_tasks]
